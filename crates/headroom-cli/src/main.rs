@@ -1,0 +1,295 @@
+//! The `headroom` binary: parses arguments, wires the library crates together and prints.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+use headroom_model::bundle::resolve_model_dir;
+use headroom_model::device::probe_cuda;
+use headroom_model::{
+    generate, CancelToken, CpuBackend, GenerateRequest, Llama, ModelBundle, SamplingParams,
+};
+
+#[derive(Parser)]
+#[command(name = "headroom", version, about = "Local LLM service that survives running out of VRAM")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+enum DeviceChoice {
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt, streaming tokens to stdout.
+    Generate {
+        /// A Hugging Face model folder, or `default` for the embedded demo model.
+        #[arg(long, default_value = "default")]
+        model: String,
+        #[arg(long)]
+        prompt: String,
+        #[arg(long, default_value_t = 64)]
+        max_tokens: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// 0 is greedy.
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f32,
+        #[arg(long, default_value_t = 0)]
+        top_k: usize,
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f32,
+        #[arg(long, default_value_t = 1.0)]
+        repetition_penalty: f32,
+        /// Stop when this text appears (repeatable).
+        #[arg(long)]
+        stop: Vec<String>,
+        /// Render the prompt as a user message through the model's chat template.
+        #[arg(long)]
+        chat: bool,
+        #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+        device: DeviceChoice,
+        /// Print timings and token counts to stderr when done.
+        #[arg(long)]
+        stats: bool,
+    },
+    /// Train the embedded demo model (tokenizer and weights) from the King James Bible text.
+    Train {
+        /// Text of `bible gen1:1-rev22:21` (Debian package bible-kjv); `-` reads stdin.
+        #[arg(long)]
+        corpus: PathBuf,
+        #[arg(long, default_value = "models/default")]
+        out: PathBuf,
+        #[arg(long, default_value_t = 80.0)]
+        minutes: f64,
+        #[arg(long, default_value_t = 100_000)]
+        steps: usize,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        #[arg(long, default_value_t = 4)]
+        layers: usize,
+        #[arg(long, default_value_t = 256)]
+        hidden: usize,
+        #[arg(long, default_value_t = 256)]
+        seq_len: usize,
+        #[arg(long, default_value_t = 16)]
+        batch: usize,
+    },
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("HEADROOM_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::Generate {
+            model,
+            prompt,
+            max_tokens,
+            seed,
+            temperature,
+            top_k,
+            top_p,
+            repetition_penalty,
+            stop,
+            chat,
+            device,
+            stats,
+        } => {
+            let sampling = SamplingParams {
+                temperature,
+                top_k,
+                top_p,
+                repetition_penalty,
+                seed,
+            };
+            let args = GenerateArgs {
+                model,
+                prompt,
+                max_tokens,
+                sampling,
+                stop,
+                chat,
+                stats,
+            };
+            run_generate(args, device)
+        }
+        Command::Train {
+            corpus,
+            out,
+            minutes,
+            steps,
+            seed,
+            layers,
+            hidden,
+            seq_len,
+            batch,
+        } => run_train(corpus, out, minutes, steps, seed, layers, hidden, seq_len, batch),
+    }
+}
+
+struct GenerateArgs {
+    model: String,
+    prompt: String,
+    max_tokens: usize,
+    sampling: SamplingParams,
+    stop: Vec<String>,
+    chat: bool,
+    stats: bool,
+}
+
+fn run_generate(args: GenerateArgs, device: DeviceChoice) -> Result<()> {
+    let dir = resolve_model_dir(&args.model);
+    let bundle = ModelBundle::open(&dir)
+        .with_context(|| format!("cannot open the model in {}", dir.display()))?;
+    let use_cuda = match device {
+        DeviceChoice::Cpu => false,
+        DeviceChoice::Cuda | DeviceChoice::Auto => {
+            let probe = probe_cuda();
+            match (&probe, device) {
+                (headroom_model::device::CudaProbe::Available { .. }, _) => {
+                    if !cfg!(feature = "cuda") {
+                        if device == DeviceChoice::Cuda {
+                            bail!("this headroom was built without the `cuda` feature; rebuild with default features");
+                        }
+                        eprintln!("headroom: running on CPU: this build has no CUDA support");
+                        false
+                    } else {
+                        true
+                    }
+                }
+                (headroom_model::device::CudaProbe::Unavailable { reason }, DeviceChoice::Cuda) => {
+                    bail!("--device cuda: {reason}; use --device cpu")
+                }
+                (headroom_model::device::CudaProbe::Unavailable { reason }, _) => {
+                    eprintln!("headroom: running on CPU: {reason}");
+                    false
+                }
+            }
+        }
+    };
+    if use_cuda {
+        #[cfg(feature = "cuda")]
+        {
+            let device = burn_cuda::CudaDevice::new(0);
+            return generate_on::<burn_cuda::Cuda<f32>>(&bundle, &device, &args, "cuda:0");
+        }
+    }
+    generate_on::<CpuBackend>(&bundle, &Default::default(), &args, "cpu")
+}
+
+fn generate_on<B: burn::tensor::backend::Backend>(
+    bundle: &ModelBundle,
+    device: &B::Device,
+    args: &GenerateArgs,
+    device_name: &str,
+) -> Result<()> {
+    let bar = indicatif::ProgressBar::new(bundle.config.num_hidden_layers as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} layers")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_message(format!("{} on {device_name}", bundle.dir.display()));
+    let model: Llama<B> = bundle.load(device, |done, _| bar.set_position(done as u64))?;
+    bar.finish_and_clear();
+
+    let prompt = if args.chat {
+        let template = bundle
+            .template
+            .as_ref()
+            .context("--chat: this model has no chat_template in tokenizer_config.json")?;
+        template.render(
+            &[headroom_model::ChatMessage::new("user", &args.prompt)],
+            None,
+            true,
+        )?
+    } else {
+        args.prompt.clone()
+    };
+    let prompt_tokens = bundle.encode(&prompt, true)?;
+    let mut request = GenerateRequest::new(prompt_tokens, args.max_tokens, args.sampling.clone());
+    request.stop = args.stop.clone();
+    let cancel = CancelToken::new();
+    let mut stdout = std::io::stdout().lock();
+    let generation = generate(&model, bundle, &request, &cancel, |event| {
+        let _ = stdout.write_all(event.text.as_bytes());
+        let _ = stdout.flush();
+    })?;
+    let _ = writeln!(stdout);
+    if args.stats {
+        eprintln!(
+            "device {device_name} | prompt {} tokens, prefill {:.1} tok/s | generated {} tokens, decode {:.1} tok/s | finish {:?}",
+            generation.prompt_tokens,
+            generation.prefill_tokens_per_s(),
+            generation.tokens.len(),
+            generation.decode_tokens_per_s(),
+            generation.finish_reason
+        );
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_train(
+    corpus: PathBuf,
+    out: PathBuf,
+    minutes: f64,
+    steps: usize,
+    seed: u64,
+    layers: usize,
+    hidden: usize,
+    seq_len: usize,
+    batch: usize,
+) -> Result<()> {
+    let text = if corpus.as_os_str() == "-" {
+        std::io::read_to_string(std::io::stdin())?
+    } else {
+        std::fs::read_to_string(&corpus).with_context(|| {
+            format!(
+                "cannot read {}; make it with `bible gen1:1-rev22:21 > {}` (apt-get install bible-kjv)",
+                corpus.display(),
+                corpus.display()
+            )
+        })?
+    };
+    let options = headroom_model::train::TrainOptions {
+        max_minutes: minutes,
+        max_steps: steps,
+        seed,
+        layers,
+        hidden_size: hidden,
+        intermediate_size: (hidden * 11 / 4).div_ceil(32) * 32,
+        seq_len,
+        batch,
+        ..Default::default()
+    };
+    type TrainBackend = burn_autodiff::Autodiff<CpuBackend>;
+    let report = headroom_model::train::train::<TrainBackend>(
+        &text,
+        &out,
+        &options,
+        &Default::default(),
+        |line| eprintln!("train: {line}"),
+    )?;
+    let summary = serde_json::json!({ "options": options, "report": report });
+    std::fs::write(out.join("train_report.json"), serde_json::to_string_pretty(&summary)?)?;
+    println!(
+        "trained {} steps in {:.0} s, final loss {:.3}; wrote {}",
+        report.steps,
+        report.wall_s,
+        report.final_loss,
+        out.display()
+    );
+    Ok(())
+}

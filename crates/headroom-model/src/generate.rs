@@ -1,0 +1,368 @@
+//! Generation: chunked prefill, then one decode step per token over a KV cache sized for the
+//! whole request (prompt + max_tokens) up front. A [`Checkpoint`] captures the prompt, the tokens
+//! generated and the sampler state; a session resumed from it produces exactly the tokens a
+//! straight run would have (on the same backend).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use burn::tensor::backend::Backend;
+use serde::{Deserialize, Serialize};
+
+use crate::bundle::ModelBundle;
+use crate::model::{KvCache, Llama, RopeTables};
+use crate::sampler::{Sampler, SamplerState, SamplingParams};
+use crate::{Error, Result};
+
+/// Cheap to clone; checked before every prefill chunk and every decode step.
+#[derive(Debug, Clone, Default)]
+pub struct CancelToken(Arc<AtomicBool>);
+
+impl CancelToken {
+    pub fn new() -> Self {
+        Self::default()
+    }
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Checkpoint {
+    pub prompt_tokens: Vec<u32>,
+    pub generated_tokens: Vec<u32>,
+    /// Text already delivered to the client (the resumed stream continues after it).
+    pub delivered_text: String,
+    pub sampler: SamplerState,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GenerateRequest {
+    pub prompt_tokens: Vec<u32>,
+    /// Tokens to generate at most, counting those already in a resume checkpoint.
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    #[serde(default)]
+    pub stop: Vec<String>,
+    /// Tokens fed per prefill step; bounds the activation workspace.
+    #[serde(default = "default_prefill_chunk")]
+    pub prefill_chunk: usize,
+    #[serde(default)]
+    pub resume: Option<Checkpoint>,
+}
+
+pub fn default_prefill_chunk() -> usize {
+    256
+}
+
+impl GenerateRequest {
+    pub fn new(prompt_tokens: Vec<u32>, max_tokens: usize, sampling: SamplingParams) -> Self {
+        Self {
+            prompt_tokens,
+            max_tokens,
+            sampling,
+            stop: Vec::new(),
+            prefill_chunk: default_prefill_chunk(),
+            resume: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// EOS or a stop string.
+    Stop,
+    /// max_tokens reached.
+    Length,
+    Cancelled,
+}
+
+/// One streamed token and the text it made final (empty while a UTF-8 character or a possible
+/// stop string is still incomplete).
+#[derive(Debug, Clone)]
+pub struct StreamEvent<'a> {
+    pub token: u32,
+    pub index: usize,
+    pub text: &'a str,
+}
+
+#[derive(Debug, Clone)]
+pub struct Generation {
+    pub prompt_tokens: usize,
+    pub tokens: Vec<u32>,
+    pub text: String,
+    pub finish_reason: FinishReason,
+    pub prefill_ms: f64,
+    pub decode_ms: f64,
+    /// Decode steps timed in `decode_ms` (the first token comes from prefill).
+    pub decode_steps: usize,
+    pub checkpoint: Checkpoint,
+}
+
+impl Generation {
+    pub fn decode_tokens_per_s(&self) -> f64 {
+        self.decode_steps as f64 / (self.decode_ms / 1000.0).max(1e-9)
+    }
+    pub fn prefill_tokens_per_s(&self) -> f64 {
+        self.prompt_tokens as f64 / (self.prefill_ms / 1000.0).max(1e-9)
+    }
+}
+
+/// A running generation on one backend.
+pub struct Session<'m, B: Backend> {
+    model: &'m Llama<B>,
+    bundle: &'m ModelBundle,
+    rope: RopeTables<B>,
+    cache: KvCache<B>,
+    sampler: Sampler,
+    prompt: Vec<u32>,
+    generated: Vec<u32>,
+    max_tokens: usize,
+    stop: Vec<String>,
+    /// Text of `generated` decoded so far and the part already handed out.
+    text: String,
+    delivered: usize,
+    /// Logits for the next token.
+    next_logits: Option<Vec<f32>>,
+    finished: Option<FinishReason>,
+    pub prefill_ms: f64,
+}
+
+/// Checks the context limit and says exactly how much fits.
+pub fn check_context(prompt_tokens: usize, max_tokens: usize, context: usize) -> Result<()> {
+    if prompt_tokens == 0 {
+        return Err(Error::InvalidRequest("the prompt is empty".into()));
+    }
+    if max_tokens == 0 {
+        return Err(Error::InvalidRequest("max_tokens must be at least 1".into()));
+    }
+    if prompt_tokens + max_tokens > context {
+        return Err(Error::ContextOverflow {
+            prompt_tokens,
+            max_tokens,
+            context,
+            available: context.saturating_sub(prompt_tokens),
+        });
+    }
+    Ok(())
+}
+
+impl<'m, B: Backend> Session<'m, B> {
+    /// Allocates the KV cache and runs the prefill (or replays a checkpoint).
+    pub fn start(
+        model: &'m Llama<B>,
+        bundle: &'m ModelBundle,
+        request: &GenerateRequest,
+        cancel: &CancelToken,
+    ) -> Result<Self> {
+        request.sampling.validate()?;
+        let context = bundle.config.max_position_embeddings;
+        check_context(request.prompt_tokens.len(), request.max_tokens, context)?;
+        let vocab = bundle.config.vocab_size as u32;
+        if let Some(bad) = request.prompt_tokens.iter().find(|&&t| t >= vocab) {
+            return Err(Error::InvalidRequest(format!(
+                "token id {bad} is outside the vocabulary of {vocab}"
+            )));
+        }
+        if request.stop.iter().any(String::is_empty) {
+            return Err(Error::InvalidRequest("stop strings must not be empty".into()));
+        }
+        let device = model.embed_tokens.weight.device();
+        let capacity = request.prompt_tokens.len() + request.max_tokens;
+        let rope = RopeTables::new(&bundle.config, capacity, &device);
+        let cache = KvCache::new(&bundle.config, capacity, &device);
+        let (sampler, generated, delivered_text) = match &request.resume {
+            Some(cp) => {
+                if cp.prompt_tokens != request.prompt_tokens {
+                    return Err(Error::InvalidRequest(
+                        "the checkpoint belongs to a different prompt".into(),
+                    ));
+                }
+                if cp.generated_tokens.len() >= request.max_tokens {
+                    return Err(Error::InvalidRequest(
+                        "the checkpoint already holds max_tokens tokens".into(),
+                    ));
+                }
+                (
+                    Sampler::from_state(&cp.sampler)?,
+                    cp.generated_tokens.clone(),
+                    cp.delivered_text.clone(),
+                )
+            }
+            None => (Sampler::new(request.sampling.clone()), Vec::new(), String::new()),
+        };
+        let mut session = Self {
+            model,
+            bundle,
+            rope,
+            cache,
+            sampler,
+            prompt: request.prompt_tokens.clone(),
+            generated,
+            max_tokens: request.max_tokens,
+            stop: request.stop.clone(),
+            text: String::new(),
+            delivered: 0,
+            next_logits: None,
+            finished: None,
+            prefill_ms: 0.0,
+        };
+        let started = Instant::now();
+        let chunk = request.prefill_chunk.max(1);
+        let mut logits = None;
+        for part in request.prompt_tokens.chunks(chunk) {
+            if cancel.is_cancelled() {
+                session.finished = Some(FinishReason::Cancelled);
+                return Ok(session);
+            }
+            logits = Some(model.step(part, &session.rope, &mut session.cache));
+        }
+        // Replaying generated tokens one decode step at a time repeats the straight run's
+        // arithmetic exactly, so the resumed stream is token-for-token the same.
+        for i in 0..session.generated.len() {
+            if cancel.is_cancelled() {
+                session.finished = Some(FinishReason::Cancelled);
+                return Ok(session);
+            }
+            let token = session.generated[i];
+            logits = Some(model.step(&[token], &session.rope, &mut session.cache));
+        }
+        session.prefill_ms = started.elapsed().as_secs_f64() * 1000.0;
+        session.next_logits = logits;
+        if !session.generated.is_empty() {
+            session.text = bundle.decode(&session.generated)?;
+            session.delivered = delivered_text.len().min(session.text.len());
+        }
+        Ok(session)
+    }
+
+    pub fn finished(&self) -> Option<FinishReason> {
+        self.finished
+    }
+
+    pub fn generated(&self) -> &[u32] {
+        &self.generated
+    }
+
+    pub fn checkpoint(&self) -> Checkpoint {
+        Checkpoint {
+            prompt_tokens: self.prompt.clone(),
+            generated_tokens: self.generated.clone(),
+            delivered_text: self.text[..self.delivered].to_string(),
+            sampler: self.sampler.state(),
+        }
+    }
+
+    /// Samples one token, feeds it back, and returns it with the text it made final.
+    /// `None` once generation has finished.
+    pub fn next(&mut self, cancel: &CancelToken) -> Result<Option<(u32, String)>> {
+        if self.finished.is_some() {
+            return Ok(None);
+        }
+        if cancel.is_cancelled() {
+            self.finished = Some(FinishReason::Cancelled);
+            return Ok(None);
+        }
+        let mut logits = self.next_logits.take().expect("logits ready while not finished");
+        let context: Vec<u32> = self.prompt.iter().chain(&self.generated).copied().collect();
+        let token = self.sampler.sample(&mut logits, &context);
+        if self.bundle.eos_ids.contains(&token) {
+            self.finished = Some(FinishReason::Stop);
+            // Whatever was held back for a possible stop string is final now.
+            let rest = self.text[self.delivered..].to_string();
+            self.delivered = self.text.len();
+            return Ok(Some((token, rest)));
+        }
+        self.generated.push(token);
+        let text = self.bundle.decode(&self.generated)?;
+        // A trailing U+FFFD is an incomplete UTF-8 character: wait for more bytes.
+        if !text.ends_with('\u{FFFD}') {
+            self.text = text;
+        }
+        let mut released = self.release_text();
+        if self.finished.is_none() && self.generated.len() >= self.max_tokens {
+            self.finished = Some(FinishReason::Length);
+            released.push_str(&self.text[self.delivered..]);
+            self.delivered = self.text.len();
+        }
+        if self.finished.is_none() {
+            self.next_logits = Some(self.model.step(&[token], &self.rope, &mut self.cache));
+        }
+        Ok(Some((token, released)))
+    }
+
+    /// Hands out new text, holding back a suffix that could still become a stop string.
+    fn release_text(&mut self) -> String {
+        if let Some((pos, _)) = self
+            .stop
+            .iter()
+            .filter_map(|s| self.text[self.delivered..].find(s.as_str()).map(|p| (p, s)))
+            .min_by_key(|(p, _)| *p)
+        {
+            let end = self.delivered + pos;
+            let out = self.text[self.delivered..end].to_string();
+            self.text.truncate(end);
+            self.delivered = end;
+            self.finished = Some(FinishReason::Stop);
+            return out;
+        }
+        let pending = &self.text[self.delivered..];
+        let mut hold = 0;
+        for stop in &self.stop {
+            for len in (1..stop.len()).rev() {
+                if len <= pending.len() && stop.is_char_boundary(len) && pending.ends_with(&stop[..len]) {
+                    hold = hold.max(len);
+                    break;
+                }
+            }
+        }
+        let end = self.text.len() - hold;
+        let out = self.text[self.delivered..end].to_string();
+        self.delivered = end;
+        out
+    }
+
+    /// The text delivered so far (stop strings excluded).
+    pub fn text(&self) -> &str {
+        &self.text[..self.delivered]
+    }
+}
+
+/// Runs a whole generation, calling `on_token` for each token as it is produced.
+pub fn generate<B: Backend>(
+    model: &Llama<B>,
+    bundle: &ModelBundle,
+    request: &GenerateRequest,
+    cancel: &CancelToken,
+    mut on_token: impl FnMut(&StreamEvent<'_>),
+) -> Result<Generation> {
+    let mut session = Session::start(model, bundle, request, cancel)?;
+    let started = Instant::now();
+    let mut steps = 0usize;
+    let already = session.generated().len();
+    while let Some((token, text)) = session.next(cancel)? {
+        on_token(&StreamEvent {
+            token,
+            index: already + steps,
+            text: &text,
+        });
+        steps += 1;
+    }
+    let decode_ms = started.elapsed().as_secs_f64() * 1000.0;
+    Ok(Generation {
+        prompt_tokens: request.prompt_tokens.len(),
+        tokens: session.generated().to_vec(),
+        text: session.text().to_string(),
+        finish_reason: session.finished().unwrap_or(FinishReason::Length),
+        prefill_ms: session.prefill_ms,
+        decode_ms,
+        // The first token is sampled from the prefill's logits; the rest cost a step each.
+        decode_steps: steps.saturating_sub(1),
+        checkpoint: session.checkpoint(),
+    })
+}

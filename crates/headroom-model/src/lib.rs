@@ -1,0 +1,65 @@
+//! `headroom-model` owns the Llama-family decoder, generic over any burn `Backend`; loading of
+//! Hugging Face model folders (config.json, safetensors, tokenizer.json, chat template) into a
+//! [`ModelBundle`]; the host-side [`Sampler`]; and the generation [`Session`] with [`Checkpoint`]s.
+//! It knows nothing about queues, HTTP, or which device is "better".
+
+pub mod bundle;
+pub mod config;
+pub mod device;
+pub mod fixture;
+pub mod generate;
+pub mod model;
+pub mod sampler;
+pub mod template;
+pub mod weights;
+
+pub use weights::StoreDtype;
+
+#[cfg(feature = "train")]
+pub mod train;
+
+pub use bundle::{ModelBundle, DEFAULT_MODEL_DIR};
+pub use config::LlamaConfig;
+pub use generate::{
+    generate, CancelToken, Checkpoint, FinishReason, GenerateRequest, Generation, Session,
+    StreamEvent,
+};
+pub use model::{KvCache, Llama, RopeTables};
+pub use sampler::{Sampler, SamplerState, SamplingParams};
+pub use template::{ChatMessage, ChatTemplate};
+
+/// The CPU backend every build has.
+pub type CpuBackend = burn_ndarray::NdArray<f32>;
+
+/// Everything that can go wrong loading or running a model. Each message says what to do next.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("model folder {path}: {reason}")]
+    Folder { path: String, reason: String },
+    #[error("config: {0}")]
+    Config(String),
+    #[error("weights: {0}")]
+    Weights(String),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("chat template: {0}")]
+    Template(String),
+    #[error(
+        "prompt has {prompt_tokens} tokens and asks for {max_tokens} more, but the model's context \
+         is {context} tokens; shorten the prompt or lower max_tokens to at most {available}"
+    )]
+    ContextOverflow {
+        prompt_tokens: usize,
+        max_tokens: usize,
+        context: usize,
+        available: usize,
+    },
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    #[error("generation was cancelled")]
+    Cancelled,
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
