@@ -1,1 +1,195 @@
-fn main(){}
+//! Side-by-side engine benchmark: Headroom's burn Llama against candle-transformers' Llama on the
+//! same safetensors, in one process, on the same prompt. Prints prefill and decode tokens/s and
+//! their ratios, and checks that both engines pick the same greedy tokens. Never fails on a time.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use candle_core::{DType, Device, Tensor as CTensor};
+use candle_nn::VarBuilder;
+use clap::Parser;
+use headroom_model::fixture::{config_100m, write_random_folder};
+use headroom_model::sampler::argmax;
+use headroom_model::{
+    generate, CancelToken, CpuBackend, GenerateRequest, ModelBundle, SamplingParams, StoreDtype,
+};
+
+#[derive(Parser)]
+#[command(about = "Headroom engine vs candle-transformers, side by side")]
+struct Args {
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: usize,
+    #[arg(long, default_value_t = 64)]
+    decode_tokens: usize,
+    /// Timed runs per engine and model (after one warm-up); the median is reported.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Extra model folders to include.
+    #[arg(long)]
+    model: Vec<PathBuf>,
+    /// Skip the ~100M-parameter random model.
+    #[arg(long)]
+    skip_100m: bool,
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+struct EngineRun {
+    prefill_tok_s: f64,
+    decode_tok_s: f64,
+    tokens: Vec<u32>,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn prompt_for(bundle: &ModelBundle, n: usize) -> Result<Vec<u32>> {
+    let text = "And God said, Let there be light: and there was light. And God saw the light, that it was good. ";
+    let mut tokens = Vec::new();
+    while tokens.len() < n {
+        tokens.extend(bundle.encode(text, false)?);
+    }
+    tokens.truncate(n);
+    Ok(tokens)
+}
+
+fn run_headroom(bundle: &ModelBundle, prompt: &[u32], decode: usize, runs: usize) -> Result<EngineRun> {
+    let model = bundle.load::<CpuBackend>(&Default::default(), |_, _| {})?;
+    let mut request = GenerateRequest::new(prompt.to_vec(), decode, SamplingParams::default());
+    request.prefill_chunk = prompt.len();
+    // Random weights may emit an EOS id early; the benchmark wants a fixed number of steps.
+    let mut bundle = bundle.clone();
+    bundle.eos_ids.clear();
+    let cancel = CancelToken::new();
+    let mut prefill = Vec::new();
+    let mut decode_rates = Vec::new();
+    let mut tokens = Vec::new();
+    for i in 0..=runs {
+        let g = generate(&model, &bundle, &request, &cancel, |_| {})?;
+        if i > 0 {
+            prefill.push(g.prefill_tokens_per_s());
+            decode_rates.push(g.decode_tokens_per_s());
+        }
+        tokens = g.tokens;
+    }
+    Ok(EngineRun {
+        prefill_tok_s: median(prefill),
+        decode_tok_s: median(decode_rates),
+        tokens,
+    })
+}
+
+fn run_candle(dir: &Path, prompt: &[u32], decode: usize, runs: usize) -> Result<EngineRun> {
+    use candle_transformers::models::llama as cl;
+    let device = Device::Cpu;
+    let config: cl::LlamaConfig = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
+    let config = config.into_config(false);
+    let vb = unsafe {
+        VarBuilder::from_mmaped_safetensors(&[dir.join("model.safetensors")], DType::F32, &device)?
+    };
+    let model = cl::Llama::load(vb, &config)?;
+    let mut prefill = Vec::new();
+    let mut decode_rates = Vec::new();
+    let mut tokens = Vec::new();
+    for i in 0..=runs {
+        let mut cache = cl::Cache::new(true, DType::F32, &config, &device)?;
+        let started = Instant::now();
+        let input = CTensor::new(prompt, &device)?.unsqueeze(0)?;
+        let logits = model.forward(&input, 0, &mut cache)?.squeeze(0)?;
+        let mut next = argmax(&logits.to_vec1::<f32>()?);
+        let prefill_s = started.elapsed().as_secs_f64();
+        let mut out = vec![next];
+        let started = Instant::now();
+        for step in 1..decode {
+            let input = CTensor::new(&[next], &device)?.unsqueeze(0)?;
+            let logits = model.forward(&input, prompt.len() + step - 1, &mut cache)?.squeeze(0)?;
+            next = argmax(&logits.to_vec1::<f32>()?);
+            out.push(next);
+        }
+        let decode_s = started.elapsed().as_secs_f64();
+        if i > 0 {
+            prefill.push(prompt.len() as f64 / prefill_s);
+            decode_rates.push((decode - 1) as f64 / decode_s);
+        }
+        tokens = out;
+    }
+    Ok(EngineRun {
+        prefill_tok_s: median(prefill),
+        decode_tok_s: median(decode_rates),
+        tokens,
+    })
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let mut folders: Vec<(String, PathBuf)> = Vec::new();
+    let default_dir = headroom_model::bundle::resolve_model_dir("default");
+    if default_dir.join("model.safetensors").exists() {
+        folders.push(("default (embedded demo)".into(), default_dir));
+    }
+    let tmp = tempfile::tempdir()?;
+    if !args.skip_100m {
+        let dir = tmp.path().join("random-100m");
+        eprintln!("writing a random-weight ~100M-parameter Llama to {}", dir.display());
+        write_random_folder(&dir, &config_100m(), 7, StoreDtype::F32)?;
+        folders.push(("random ~100M".into(), dir));
+    }
+    for m in &args.model {
+        folders.push((m.display().to_string(), m.clone()));
+    }
+    println!(
+        "prompt {} tokens, decode {} tokens, median of {} runs, threads: {} cores",
+        args.prompt_tokens,
+        args.decode_tokens,
+        args.runs,
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    );
+    println!(
+        "{:<26} {:>10} {:>14} {:>14} {:>14} {:>14} {:>9} {:>9} {:>8}",
+        "model", "params", "hr prefill/s", "cd prefill/s", "hr decode/s", "cd decode/s", "prefill×", "decode×", "agree"
+    );
+    let mut report = Vec::new();
+    for (name, dir) in &folders {
+        let bundle = ModelBundle::open(dir).with_context(|| format!("opening {}", dir.display()))?;
+        let prompt = prompt_for(&bundle, args.prompt_tokens)?;
+        let ours = run_headroom(&bundle, &prompt, args.decode_tokens, args.runs)?;
+        let theirs = run_candle(dir, &prompt, args.decode_tokens, args.runs)?;
+        let agree = ours
+            .tokens
+            .iter()
+            .zip(&theirs.tokens)
+            .take_while(|(a, b)| a == b)
+            .count();
+        println!(
+            "{:<26} {:>10} {:>14.1} {:>14.1} {:>14.1} {:>14.1} {:>9.2} {:>9.2} {:>5}/{}",
+            name,
+            bundle.config.parameter_count(),
+            ours.prefill_tok_s,
+            theirs.prefill_tok_s,
+            ours.decode_tok_s,
+            theirs.decode_tok_s,
+            ours.prefill_tok_s / theirs.prefill_tok_s,
+            ours.decode_tok_s / theirs.decode_tok_s,
+            agree,
+            args.decode_tokens
+        );
+        report.push(serde_json::json!({
+            "model": name,
+            "parameters": bundle.config.parameter_count(),
+            "headroom": ours,
+            "candle": theirs,
+            "prefill_ratio": ours.prefill_tok_s / theirs.prefill_tok_s,
+            "decode_ratio": ours.decode_tok_s / theirs.decode_tok_s,
+            "greedy_tokens_agreeing": agree,
+            "blas": cfg!(feature = "blas"),
+        }));
+    }
+    if let Some(path) = args.json {
+        std::fs::write(&path, serde_json::to_string_pretty(&report)?)?;
+    }
+    Ok(())
+}

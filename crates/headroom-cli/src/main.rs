@@ -3,6 +3,8 @@
 use std::io::Write;
 use std::path::PathBuf;
 
+mod memory;
+
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use headroom_model::bundle::resolve_model_dir;
@@ -59,6 +61,38 @@ enum Command {
         #[arg(long)]
         stats: bool,
     },
+    /// Predict a request's memory and show the admission decision.
+    Plan {
+        #[arg(long, default_value = "default")]
+        model: String,
+        #[arg(long)]
+        prompt_tokens: u64,
+        #[arg(long)]
+        max_tokens: u64,
+        #[arg(long, default_value_t = 256)]
+        prefill_chunk: u64,
+        /// Plan for a GPU of this size instead of the one NVML reports.
+        #[arg(long)]
+        vram_total_mib: Option<u64>,
+        /// Free VRAM to assume (default: NVML's reading, or all of it with --vram-total-mib).
+        #[arg(long)]
+        vram_free_mib: Option<u64>,
+        #[arg(long)]
+        vram_reserve_mib: Option<u64>,
+        /// The client accepts a smaller max_tokens.
+        #[arg(long)]
+        allow_shrink: bool,
+        /// A Headroom config file (TOML); its [memory] table sets the policy.
+        #[arg(long, env = "HEADROOM_CONFIG")]
+        config: Option<PathBuf>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        what: BenchCommand,
+    },
     /// Train the embedded demo model (tokenizer and weights) from the King James Bible text.
     Train {
         /// Text of `bible gen1:1-rev22:21` (Debian package bible-kjv); `-` reads stdin.
@@ -80,6 +114,20 @@ enum Command {
         seq_len: usize,
         #[arg(long, default_value_t = 16)]
         batch: usize,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Predicted vs measured peak memory of requests on CPU, over a grid of prompt lengths and
+    /// max_tokens, for the given model and a ~100M-parameter random one.
+    Memory {
+        #[arg(long, default_value = "default")]
+        model: String,
+        #[arg(long)]
+        skip_100m: bool,
+        #[arg(long)]
+        json: Option<PathBuf>,
     },
 }
 
@@ -124,6 +172,38 @@ fn main() -> Result<()> {
             };
             run_generate(args, device)
         }
+        Command::Plan {
+            model,
+            prompt_tokens,
+            max_tokens,
+            prefill_chunk,
+            vram_total_mib,
+            vram_free_mib,
+            vram_reserve_mib,
+            allow_shrink,
+            config,
+            json,
+        } => {
+            let bundle = open_bundle(&model)?;
+            let config = headroom_memory::MemoryConfig::load(config.as_deref())?;
+            memory::plan(
+                &bundle,
+                config,
+                memory::PlanArgs {
+                    prompt_tokens,
+                    max_tokens,
+                    prefill_chunk,
+                    vram_total_mib,
+                    vram_free_mib,
+                    vram_reserve_mib,
+                    allow_shrink,
+                    json,
+                },
+            )
+        }
+        Command::Bench {
+            what: BenchCommand::Memory { model, skip_100m, json },
+        } => memory::bench_memory(&open_bundle(&model)?, !skip_100m, json.as_deref()),
         Command::Train {
             corpus,
             out,
@@ -148,10 +228,13 @@ struct GenerateArgs {
     stats: bool,
 }
 
+fn open_bundle(model: &str) -> Result<ModelBundle> {
+    let dir = resolve_model_dir(model);
+    ModelBundle::open(&dir).with_context(|| format!("cannot open the model in {}", dir.display()))
+}
+
 fn run_generate(args: GenerateArgs, device: DeviceChoice) -> Result<()> {
-    let dir = resolve_model_dir(&args.model);
-    let bundle = ModelBundle::open(&dir)
-        .with_context(|| format!("cannot open the model in {}", dir.display()))?;
+    let bundle = open_bundle(&args.model)?;
     let use_cuda = match device {
         DeviceChoice::Cpu => false,
         DeviceChoice::Cuda | DeviceChoice::Auto => {

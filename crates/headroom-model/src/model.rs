@@ -110,11 +110,15 @@ impl<B: Backend> RopeTables<B> {
     }
 }
 
+type LayerCache<B> = (Option<Tensor<B, 4>>, Option<Tensor<B, 4>>);
+
 /// Keys and values for every layer, allocated once for the whole request (prompt + max_tokens)
 /// so a running generation never grows its memory.
 #[derive(Debug, Clone)]
 pub struct KvCache<B: Backend> {
-    layers: Vec<(Tensor<B, 4>, Tensor<B, 4>)>,
+    /// Per layer (keys, values), `[1, kv_heads, capacity, head_dim]`. Held in an `Option` so a
+    /// step can take sole ownership and the backend writes new entries in place, not by copy.
+    layers: Vec<LayerCache<B>>,
     /// Tokens already stored.
     pub len: usize,
     pub capacity: usize,
@@ -124,7 +128,7 @@ impl<B: Backend> KvCache<B> {
     pub fn new(config: &LlamaConfig, capacity: usize, device: &B::Device) -> Self {
         let shape = [1, config.kv_heads(), capacity, config.head_dim()];
         let layers = (0..config.num_hidden_layers)
-            .map(|_| (Tensor::zeros(shape, device), Tensor::zeros(shape, device)))
+            .map(|_| (Some(Tensor::zeros(shape, device)), Some(Tensor::zeros(shape, device))))
             .collect();
         Self {
             layers,
@@ -145,7 +149,7 @@ impl<B: Backend> Attention<B> {
         x: Tensor<B, 3>,
         rope: &RopeTables<B>,
         start: usize,
-        cache: Option<&mut (Tensor<B, 4>, Tensor<B, 4>)>,
+        cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
         let [batch, seq, _] = x.dims();
         let (h, kvh, d) = (self.n_heads, self.n_kv_heads, self.head_dim);
@@ -171,13 +175,15 @@ impl<B: Backend> Attention<B> {
             Some((k_cache, v_cache)) => {
                 let end = start + seq;
                 let new_k = k_cache
-                    .clone()
+                    .take()
+                    .expect("cache layer present between steps")
                     .slice_assign([0..batch, 0..kvh, start..end, 0..d], k);
                 let new_v = v_cache
-                    .clone()
+                    .take()
+                    .expect("cache layer present between steps")
                     .slice_assign([0..batch, 0..kvh, start..end, 0..d], v);
-                *k_cache = new_k.clone();
-                *v_cache = new_v.clone();
+                *k_cache = Some(new_k.clone());
+                *v_cache = Some(new_v.clone());
                 (new_k.narrow(2, 0, end), new_v.narrow(2, 0, end))
             }
             None => (k, v),
@@ -229,7 +235,7 @@ impl<B: Backend> DecoderLayer<B> {
         x: Tensor<B, 3>,
         rope: &RopeTables<B>,
         start: usize,
-        cache: Option<&mut (Tensor<B, 4>, Tensor<B, 4>)>,
+        cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
         let attn = self
             .self_attn

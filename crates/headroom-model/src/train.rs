@@ -258,13 +258,14 @@ pub struct TrainReport {
     pub loss_curve: Vec<(usize, f64, f64)>,
 }
 
-fn lr_at(step: usize, options: &TrainOptions, total: usize) -> f64 {
+/// Warmup by steps, then cosine decay to a tenth over the run's progress (0..1), where progress
+/// is the larger of the step share and the time share, so a time-bounded run still decays fully.
+fn lr_at(step: usize, progress: f64, options: &TrainOptions) -> f64 {
     if step < options.warmup_steps {
         return options.learning_rate * (step + 1) as f64 / options.warmup_steps as f64;
     }
-    let progress = (step - options.warmup_steps) as f64 / (total.saturating_sub(options.warmup_steps)).max(1) as f64;
     let min = options.learning_rate * 0.1;
-    min + 0.5 * (options.learning_rate - min) * (1.0 + (std::f64::consts::PI * progress.min(1.0)).cos())
+    min + 0.5 * (options.learning_rate - min) * (1.0 + (std::f64::consts::PI * progress.clamp(0.0, 1.0)).cos())
 }
 
 /// Trains and writes a complete model folder into `out`. `log` receives one line per report.
@@ -321,11 +322,9 @@ pub fn train<B: burn::tensor::backend::AutodiffBackend>(
     let mut last_loss = f64::NAN;
     let mut step = 0;
     let budget_s = options.max_minutes * 60.0;
-    // Cosine schedule over the steps the time budget is expected to allow, re-estimated as we go.
-    let mut planned_steps = options.max_steps;
     let mut curve_file = std::fs::File::create(out.join("train_loss.csv"))?;
     writeln!(curve_file, "step,loss,elapsed_s,lr")?;
-    while step < planned_steps {
+    while step < options.max_steps {
         let (inputs, targets) = sample_batch(&stream, options.batch, options.seq_len, &mut rng);
         let inputs = Tensor::<B, 2, Int>::from_data(
             TensorData::new(inputs, [options.batch, options.seq_len]),
@@ -340,26 +339,23 @@ pub fn train<B: burn::tensor::backend::AutodiffBackend>(
         let loss = loss_fn.forward(logits, targets);
         let loss_value: f64 = loss.clone().into_scalar().elem::<f64>();
         let grads = GradientsParams::from_grads(loss.backward(), &model);
-        let lr = lr_at(step, options, planned_steps);
+        let progress = (step as f64 / options.max_steps as f64)
+            .max(started.elapsed().as_secs_f64() / budget_s);
+        let lr = lr_at(step, progress, options);
         model = optim.step(lr, model, grads);
         step += 1;
         interval_loss += loss_value;
         interval_steps += 1;
         let elapsed = started.elapsed().as_secs_f64();
-        if step == 20 {
-            let per_step = elapsed / step as f64;
-            planned_steps = planned_steps.min(((budget_s / per_step) as usize).max(step + 1));
-            log(&format!("{per_step:.2} s/step; planning {planned_steps} steps"));
-        }
-        if step % 10 == 0 || step == planned_steps {
+        if step % 10 == 0 {
             last_loss = interval_loss / interval_steps as f64;
             writeln!(curve_file, "{step},{last_loss:.4},{elapsed:.1},{lr:.6}")?;
             curve.push((step, last_loss, elapsed));
-            log(&format!("step {step}/{planned_steps} loss {last_loss:.3} lr {lr:.5} {elapsed:.0}s"));
+            log(&format!("step {step} loss {last_loss:.3} lr {lr:.5} {elapsed:.0}s"));
             interval_loss = 0.0;
             interval_steps = 0;
         }
-        if step % options.save_every_steps == 0 || step == planned_steps || elapsed > budget_s {
+        if step % options.save_every_steps == 0 {
             save_llama(&model.valid(), &out.join("model.safetensors"), StoreDtype::F32)?;
         }
         if elapsed > budget_s {

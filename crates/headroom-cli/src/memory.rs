@@ -1,0 +1,234 @@
+//! `headroom plan` and `headroom bench memory`: the memory model's breakdown and decision for one
+//! request, and its accuracy against the real peak allocation measured on CPU.
+
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use headroom_memory::footprint::human_bytes;
+use headroom_memory::observe::{gpu_memory, host_memory};
+use headroom_memory::{
+    Allowances, Budget, Calibration, CountingAllocator, MemoryConfig, ModelShape, Planner,
+    RequestShape, WorkspaceSample, MIB,
+};
+use headroom_model::{generate, CancelToken, CpuBackend, GenerateRequest, Llama, ModelBundle, SamplingParams};
+
+#[global_allocator]
+pub static ALLOCATOR: CountingAllocator = CountingAllocator::new();
+
+pub struct PlanArgs {
+    pub prompt_tokens: u64,
+    pub max_tokens: u64,
+    pub prefill_chunk: u64,
+    pub vram_total_mib: Option<u64>,
+    pub vram_free_mib: Option<u64>,
+    pub vram_reserve_mib: Option<u64>,
+    pub allow_shrink: bool,
+    pub json: bool,
+}
+
+pub fn plan(bundle: &ModelBundle, mut config: MemoryConfig, args: PlanArgs) -> Result<()> {
+    if let Some(mib) = args.vram_reserve_mib {
+        config.vram_reserve_mib = Some(mib);
+    }
+    let shape = ModelShape::from_config(&bundle.config);
+    let planner = Planner::new(shape.clone(), Calibration::default(), config.clone());
+    let request = RequestShape {
+        prompt_tokens: args.prompt_tokens,
+        max_tokens: args.max_tokens,
+        prefill_chunk: args.prefill_chunk,
+    };
+    let gpu = match (args.vram_total_mib, gpu_memory(0)) {
+        (Some(total_mib), _) => Some(Budget {
+            total_bytes: total_mib * MIB,
+            reserve_bytes: config.vram_reserve_bytes(total_mib * MIB),
+            weights_bytes: shape.weights_bytes(),
+            held_bytes: 0,
+            observed_free_bytes: args.vram_free_mib.map(|f| f * MIB),
+        }),
+        (None, Some(reading)) => Some(Budget {
+            total_bytes: reading.total_bytes,
+            reserve_bytes: config.vram_reserve_bytes(reading.total_bytes),
+            weights_bytes: shape.weights_bytes(),
+            held_bytes: 0,
+            observed_free_bytes: Some(
+                args.vram_free_mib
+                    .map(|f| f * MIB)
+                    .unwrap_or(reading.free_bytes),
+            ),
+        }),
+        (None, None) => None,
+    };
+    let host = host_memory().context("cannot read host memory")?;
+    let host_budget = Budget {
+        total_bytes: host.total_bytes,
+        reserve_bytes: config.host_reserve_bytes(host.total_bytes),
+        // A CPU worker would load its own copy of the weights.
+        weights_bytes: shape.weights_bytes(),
+        held_bytes: 0,
+        observed_free_bytes: Some(host.available_bytes.saturating_sub(shape.weights_bytes())),
+    };
+    let footprint = planner.footprint(request);
+    let allow = Allowances {
+        shrink: args.allow_shrink,
+        ..Allowances::default()
+    };
+    let decision = planner.decide(request, allow, gpu.as_ref(), &host_budget, |_| None);
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "model": bundle.dir.display().to_string(),
+                "bundle_hash": bundle.hash,
+                "shape": shape,
+                "request": request,
+                "footprint": footprint,
+                "request_bytes": footprint.request_bytes(),
+                "gpu_budget": gpu,
+                "gpu_available_bytes": gpu.map(|g| g.available_bytes()),
+                "host_budget": host_budget,
+                "admission": decision,
+            }))?
+        );
+        return Ok(());
+    }
+    println!("model      {} ({} parameters, bundle {})", bundle.dir.display(), shape.parameters, bundle.short_hash());
+    println!("weights    {}", human_bytes(footprint.weights_bytes));
+    println!(
+        "KV cache   {} = {} per token × {} tokens ({} prompt + {} max_tokens)",
+        human_bytes(footprint.kv_bytes),
+        human_bytes(shape.kv_bytes_per_token()),
+        footprint.tokens,
+        args.prompt_tokens,
+        args.max_tokens
+    );
+    println!("workspace  {} (prefill chunk {})", human_bytes(footprint.workspace_bytes), args.prefill_chunk);
+    println!("margin     {} ({}%)", human_bytes(footprint.margin_bytes), config.fragmentation_margin_percent);
+    println!("request    {}", human_bytes(footprint.request_bytes()));
+    match &gpu {
+        Some(g) => println!(
+            "GPU        total {}, reserve {}, weights {}, available {}",
+            human_bytes(g.total_bytes),
+            human_bytes(g.reserve_bytes),
+            human_bytes(g.weights_bytes),
+            human_bytes(g.available_bytes())
+        ),
+        None => println!("GPU        none found (pass --vram-total-mib to plan for one)"),
+    }
+    println!(
+        "host       available {}, reserve {}, free for CPU requests {}",
+        human_bytes(host.available_bytes),
+        human_bytes(host_budget.reserve_bytes),
+        human_bytes(host_budget.available_bytes())
+    );
+    println!("decision   {}", serde_json::to_string(&decision)?);
+    Ok(())
+}
+
+/// Runs one request on CPU and returns the peak bytes allocated above the level before it.
+fn measure_peak(model: &Llama<CpuBackend>, bundle: &ModelBundle, prompt: usize, max_tokens: usize, chunk: usize) -> Result<u64> {
+    let mut bundle = bundle.clone();
+    bundle.eos_ids.clear(); // run exactly max_tokens steps
+    let tokens: Vec<u32> = (0..prompt).map(|i| (i % 200) as u32 + 3).collect();
+    let mut request = GenerateRequest::new(tokens, max_tokens, SamplingParams::default());
+    request.prefill_chunk = chunk;
+    let before = ALLOCATOR.current_bytes();
+    ALLOCATOR.reset_peak();
+    let generation = generate(model, &bundle, &request, &CancelToken::new(), |_| {})?;
+    let peak = ALLOCATOR.peak_bytes().saturating_sub(before);
+    drop(generation);
+    Ok(peak)
+}
+
+/// Measures workspace at a few (chunk, length) points that the accuracy grid does not use, and
+/// fits the calibration factors to them.
+pub fn calibrate(model: &Llama<CpuBackend>, bundle: &ModelBundle, shape: &ModelShape) -> Result<Calibration> {
+    let context = shape.context as usize;
+    let points: Vec<(usize, usize)> = [(24, 24), (40, 160), (96, 96), (200, 200), (72, 400)]
+        .into_iter()
+        .filter(|&(_, l)| l + 1 <= context)
+        .collect();
+    let mut samples = Vec::new();
+    for (chunk, len) in points {
+        let peak = measure_peak(model, bundle, len, 1, chunk)? as f64;
+        let tokens = (len + 1) as u64;
+        let kv = (shape.kv_bytes_per_token() * tokens) as f64;
+        let rope = (2 * tokens * shape.head_dim * shape.dtype_bytes) as f64;
+        samples.push(WorkspaceSample {
+            chunk: chunk as u64,
+            attended: len as u64,
+            workspace_bytes: peak - kv - rope,
+        });
+    }
+    Ok(Calibration::fit(shape, &samples))
+}
+
+pub fn accuracy(bundle: &ModelBundle, label: &str, prompts: &[u64], max_tokens: &[u64], chunk: u64) -> Result<serde_json::Value> {
+    let model = bundle.load::<CpuBackend>(&Default::default(), |_, _| {})?;
+    let shape = ModelShape::from_config(&bundle.config);
+    let started = Instant::now();
+    let calibration = calibrate(&model, bundle, &shape)?;
+    let calibrate_s = started.elapsed().as_secs_f64();
+    let planner = Planner::new(shape.clone(), calibration, MemoryConfig::default());
+    println!(
+        "\n{label}: {} parameters; calibration {:?} (fitted in {calibrate_s:.1} s)",
+        shape.parameters, calibration
+    );
+    println!("{:>8} {:>10} {:>14} {:>14} {:>8}", "prompt", "max_tok", "predicted", "measured", "error");
+    let mut rows = Vec::new();
+    let mut worst: f64 = 0.0;
+    for &p in prompts {
+        for &m in max_tokens {
+            if p + m > shape.context {
+                continue;
+            }
+            let request = RequestShape { prompt_tokens: p, max_tokens: m, prefill_chunk: chunk };
+            let predicted = planner.footprint(request).predicted_peak_bytes();
+            let measured = measure_peak(&model, bundle, p as usize, m as usize, chunk as usize)?;
+            let error = (predicted as f64 - measured as f64) / measured as f64 * 100.0;
+            worst = worst.max(error.abs());
+            println!(
+                "{p:>8} {m:>10} {:>14} {:>14} {error:>+7.1}%",
+                human_bytes(predicted),
+                human_bytes(measured)
+            );
+            rows.push(serde_json::json!({
+                "prompt_tokens": p, "max_tokens": m, "predicted_bytes": predicted,
+                "measured_bytes": measured, "error_percent": error,
+            }));
+        }
+    }
+    println!("worst error {worst:.1}% over {} points", rows.len());
+    Ok(serde_json::json!({
+        "model": label, "parameters": shape.parameters, "calibration": calibration,
+        "prefill_chunk": chunk, "rows": rows, "worst_error_percent": worst,
+    }))
+}
+
+pub fn bench_memory(bundle: &ModelBundle, include_100m: bool, json_out: Option<&std::path::Path>) -> Result<()> {
+    if ALLOCATOR.current_bytes() == 0 {
+        bail!("the counting allocator is not installed in this binary");
+    }
+    let mut reports = vec![accuracy(bundle, "default", &[16, 64, 256, 512], &[16, 128, 256, 480], 128)?];
+    if include_100m {
+        let tmp = tempfile_dir()?;
+        headroom_model::fixture::write_random_folder(
+            &tmp,
+            &headroom_model::fixture::config_100m(),
+            7,
+            headroom_model::StoreDtype::F32,
+        )?;
+        let big = ModelBundle::open(&tmp)?;
+        reports.push(accuracy(&big, "random ~100M", &[16, 128, 512, 1024], &[16, 256, 1024], 256)?);
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    if let Some(path) = json_out {
+        std::fs::write(path, serde_json::to_string_pretty(&reports)?)?;
+    }
+    Ok(())
+}
+
+fn tempfile_dir() -> Result<std::path::PathBuf> {
+    let dir = std::env::temp_dir().join(format!("headroom-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}

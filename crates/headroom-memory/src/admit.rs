@@ -1,0 +1,257 @@
+//! The admission decision: where a request may run, given its predicted [`Footprint`], the GPU
+//! [`Budget`] (predicted and observed, the smaller wins) and the host-RAM budget of the CPU path.
+//! Every decision carries a reason a person can read.
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::MemoryConfig;
+use crate::footprint::{human_bytes, Calibration, Footprint, ModelShape, RequestShape};
+
+/// What one device can give a new request right now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Budget {
+    pub total_bytes: u64,
+    pub reserve_bytes: u64,
+    /// Weights of the loaded model(s).
+    pub weights_bytes: u64,
+    /// Reservations of admitted requests.
+    pub held_bytes: u64,
+    /// Free memory as the driver (NVML) or the OS reports it, other programs included.
+    pub observed_free_bytes: Option<u64>,
+}
+
+impl Budget {
+    /// The most any one request could ever get on this device: total − reserve − weights.
+    pub fn capacity_bytes(&self) -> u64 {
+        self.total_bytes
+            .saturating_sub(self.reserve_bytes)
+            .saturating_sub(self.weights_bytes)
+    }
+
+    /// What a request may take now: the predicted budget less reservations held, or observed
+    /// free memory less the reserve, whichever is smaller.
+    pub fn available_bytes(&self) -> u64 {
+        let predicted = self.capacity_bytes().saturating_sub(self.held_bytes);
+        match self.observed_free_bytes {
+            Some(free) => predicted.min(free.saturating_sub(self.reserve_bytes)),
+            None => predicted,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "decision", rename_all = "snake_case")]
+pub enum Admission {
+    Gpu { reason: String },
+    Queue { eta_ms: u64, reason: String },
+    Shrink { max_tokens: u64, reason: String },
+    Cpu { reason: String },
+    Refuse { reason: String, retry_after_s: Option<u64> },
+}
+
+impl Admission {
+    pub fn reason(&self) -> &str {
+        match self {
+            Admission::Gpu { reason }
+            | Admission::Queue { reason, .. }
+            | Admission::Shrink { reason, .. }
+            | Admission::Cpu { reason }
+            | Admission::Refuse { reason, .. } => reason,
+        }
+    }
+    pub fn is_refused(&self) -> bool {
+        matches!(self, Admission::Refuse { .. })
+    }
+}
+
+/// What the caller allows for this request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Allowances {
+    /// The client accepts fewer tokens than asked (never applied silently).
+    pub shrink: bool,
+    /// The request may be served by the CPU worker.
+    pub cpu: bool,
+    /// The longest wait the client accepts, in ms (the policy's limit when unset).
+    pub max_wait_ms: Option<u64>,
+}
+
+impl Default for Allowances {
+    fn default() -> Self {
+        Self {
+            shrink: false,
+            cpu: true,
+            max_wait_ms: None,
+        }
+    }
+}
+
+/// Turns (model, request, budgets) into an [`Admission`].
+#[derive(Debug, Clone)]
+pub struct Planner {
+    pub shape: ModelShape,
+    pub calibration: Calibration,
+    pub config: MemoryConfig,
+}
+
+/// Thousands separators for token counts in reasons.
+fn count(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+impl Planner {
+    pub fn new(shape: ModelShape, calibration: Calibration, config: MemoryConfig) -> Self {
+        Self {
+            shape,
+            calibration,
+            config,
+        }
+    }
+
+    pub fn footprint(&self, request: RequestShape) -> Footprint {
+        Footprint::estimate(
+            &self.shape,
+            request,
+            &self.calibration,
+            self.config.fragmentation_margin_percent,
+        )
+    }
+
+    /// The largest max_tokens whose footprint fits in `available` bytes, if any.
+    pub fn max_tokens_fitting(&self, request: RequestShape, available: u64) -> Option<u64> {
+        let (mut lo, mut hi) = (0u64, request.max_tokens);
+        while lo < hi {
+            let mid = (lo + hi).div_ceil(2);
+            let fp = self.footprint(RequestShape { max_tokens: mid, ..request });
+            if fp.request_bytes() <= available {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        (lo > 0).then_some(lo)
+    }
+
+    /// Decides for one request. `gpu` is `None` when no healthy GPU is there; `queue_eta_ms`
+    /// says how long until `bytes` would be free on the GPU (from the router's rates), if known.
+    pub fn decide(
+        &self,
+        request: RequestShape,
+        allow: Allowances,
+        gpu: Option<&Budget>,
+        host: &Budget,
+        queue_eta_ms: impl Fn(u64) -> Option<u64>,
+    ) -> Admission {
+        let fp = self.footprint(request);
+        let needs = fp.request_bytes();
+        let what = format!(
+            "needs {} ({} of KV cache for {} tokens, {} workspace, {} margin)",
+            human_bytes(needs),
+            human_bytes(fp.kv_bytes),
+            count(fp.tokens),
+            human_bytes(fp.workspace_bytes),
+            human_bytes(fp.margin_bytes)
+        );
+        let cpu_available = host.available_bytes();
+        let cpu_fits = allow.cpu && self.config.allow_cpu_redirect && needs <= cpu_available;
+        let cpu_note = |why: &str| {
+            format!(
+                "{why}; runs on CPU instead ({} of host RAM free for it after the {} host reserve)",
+                human_bytes(cpu_available),
+                human_bytes(host.reserve_bytes)
+            )
+        };
+        let cpu_refusal = || {
+            if !(allow.cpu && self.config.allow_cpu_redirect) {
+                "CPU fallback is not allowed for this request".to_string()
+            } else {
+                format!(
+                    "the CPU path has only {} of host RAM free after its {} reserve",
+                    human_bytes(cpu_available),
+                    human_bytes(host.reserve_bytes)
+                )
+            }
+        };
+
+        let Some(gpu) = gpu else {
+            if cpu_fits {
+                return Admission::Cpu {
+                    reason: cpu_note(&format!("no healthy GPU; the request {what}")),
+                };
+            }
+            return Admission::Refuse {
+                reason: format!("no healthy GPU, and {}; the request {what}", cpu_refusal()),
+                retry_after_s: Some(10),
+            };
+        };
+
+        let available = gpu.available_bytes();
+        let capacity = gpu.capacity_bytes();
+        let gpu_state = format!(
+            "{} free on the GPU after the {} reserve",
+            human_bytes(available),
+            human_bytes(gpu.reserve_bytes)
+        );
+        if needs <= available {
+            return Admission::Gpu {
+                reason: format!("{what}; {gpu_state}"),
+            };
+        }
+
+        let max_wait = allow.max_wait_ms.unwrap_or(self.config.max_queue_wait_ms);
+        let eta = if needs <= capacity { queue_eta_ms(needs) } else { None };
+        if let Some(eta) = eta.filter(|&e| e <= max_wait) {
+            return Admission::Queue {
+                eta_ms: eta,
+                reason: format!("{what}; {gpu_state}; expected to fit in about {eta} ms"),
+            };
+        }
+        if allow.shrink {
+            if let Some(m) = self
+                .max_tokens_fitting(request, available)
+                .filter(|&m| m >= self.config.min_shrunk_tokens.min(request.max_tokens))
+            {
+                return Admission::Shrink {
+                    max_tokens: m,
+                    reason: format!(
+                        "{what}; {gpu_state}; max_tokens lowered from {} to {m} to fit now",
+                        count(request.max_tokens)
+                    ),
+                };
+            }
+        }
+        if cpu_fits {
+            let why = if needs > capacity {
+                format!(
+                    "the request {what}, more than the GPU can ever hold ({} after weights and reserve)",
+                    human_bytes(capacity)
+                )
+            } else {
+                format!("the request {what}; {gpu_state}")
+            };
+            return Admission::Cpu { reason: cpu_note(&why) };
+        }
+        if needs <= capacity {
+            return Admission::Refuse {
+                reason: format!("the request {what}; {gpu_state}, and {}", cpu_refusal()),
+                retry_after_s: Some(eta.map(|e| e.div_ceil(1000)).unwrap_or(5).max(1)),
+            };
+        }
+        Admission::Refuse {
+            reason: format!(
+                "the request {what}, more than the GPU can ever hold ({} after weights and the {} reserve), and {}; lower max_tokens or shorten the prompt",
+                human_bytes(capacity),
+                human_bytes(gpu.reserve_bytes),
+                cpu_refusal()
+            ),
+            retry_after_s: None,
+        }
+    }
+}

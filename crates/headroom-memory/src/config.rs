@@ -1,0 +1,161 @@
+//! Every memory-policy knob in one serde struct: defaults, then a TOML file, then `HEADROOM_*`
+//! environment variables (flags are applied last by the binary).
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::footprint::MIB;
+use crate::{Error, Result};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MemoryConfig {
+    /// VRAM kept free for other programs and spikes, in MiB. Unset: the larger of
+    /// `vram_reserve_min_mib` and `vram_reserve_percent` of total VRAM.
+    pub vram_reserve_mib: Option<u64>,
+    pub vram_reserve_percent: f64,
+    pub vram_reserve_min_mib: u64,
+    /// Added to each request's KV cache + workspace, in percent, for allocator fragmentation.
+    pub fragmentation_margin_percent: f64,
+    /// Host RAM the CPU path never touches: the larger of these two.
+    pub host_reserve_mib: u64,
+    pub host_reserve_percent: f64,
+    /// Longest a request may wait in the GPU queue before it is sent to CPU or refused, in ms.
+    pub max_queue_wait_ms: u64,
+    /// Whether a request that does not fit on the GPU may run on the CPU worker.
+    pub allow_cpu_redirect: bool,
+    /// A shrink below this many tokens is not offered; the request goes elsewhere.
+    pub min_shrunk_tokens: u64,
+    /// Memory sampling rate for the UI and metrics, in ms.
+    pub sample_interval_ms: u64,
+}
+
+impl Default for MemoryConfig {
+    fn default() -> Self {
+        Self {
+            vram_reserve_mib: None,
+            vram_reserve_percent: 10.0,
+            vram_reserve_min_mib: 1024,
+            fragmentation_margin_percent: 10.0,
+            host_reserve_mib: 2048,
+            host_reserve_percent: 10.0,
+            max_queue_wait_ms: 30_000,
+            allow_cpu_redirect: true,
+            min_shrunk_tokens: 16,
+            sample_interval_ms: 1000,
+        }
+    }
+}
+
+fn env_parse<T: std::str::FromStr>(name: &str) -> Result<Option<T>> {
+    match std::env::var(name) {
+        Ok(v) => v.trim().parse().map(Some).map_err(|_| {
+            Error::Config(format!("{name}={v:?} is not a valid value; unset it or fix it"))
+        }),
+        Err(_) => Ok(None),
+    }
+}
+
+impl MemoryConfig {
+    /// Defaults, overlaid by the `[memory]` table of a TOML file, then by the environment.
+    pub fn load(file: Option<&Path>) -> Result<Self> {
+        let mut config = match file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| {
+                    Error::Config(format!("cannot read config file {}: {e}", path.display()))
+                })?;
+                Self::from_toml(&text)
+                    .map_err(|e| Error::Config(format!("{}: {e}", path.display())))?
+            }
+            None => Self::default(),
+        };
+        config.apply_env()?;
+        Ok(config)
+    }
+
+    /// Parses the `[memory]` table of a Headroom config file (other tables are ignored here).
+    pub fn from_toml(text: &str) -> Result<Self> {
+        let value: toml::Table =
+            toml::from_str(text).map_err(|e| Error::Config(format!("invalid TOML: {e}")))?;
+        match value.get("memory") {
+            Some(table) => table
+                .clone()
+                .try_into()
+                .map_err(|e| Error::Config(format!("[memory]: {e}"))),
+            None => Ok(Self::default()),
+        }
+    }
+
+    pub fn apply_env(&mut self) -> Result<()> {
+        if let Some(v) = env_parse("HEADROOM_VRAM_RESERVE_MIB")? {
+            self.vram_reserve_mib = Some(v);
+        }
+        if let Some(v) = env_parse("HEADROOM_VRAM_RESERVE_PERCENT")? {
+            self.vram_reserve_percent = v;
+        }
+        if let Some(v) = env_parse("HEADROOM_FRAGMENTATION_MARGIN_PERCENT")? {
+            self.fragmentation_margin_percent = v;
+        }
+        if let Some(v) = env_parse("HEADROOM_HOST_RESERVE_MIB")? {
+            self.host_reserve_mib = v;
+        }
+        if let Some(v) = env_parse("HEADROOM_MAX_QUEUE_WAIT_MS")? {
+            self.max_queue_wait_ms = v;
+        }
+        if let Some(v) = env_parse("HEADROOM_ALLOW_CPU_REDIRECT")? {
+            self.allow_cpu_redirect = v;
+        }
+        self.validate()
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if !(0.0..=90.0).contains(&self.vram_reserve_percent) {
+            return Err(Error::Config(format!(
+                "vram_reserve_percent must be between 0 and 90, got {}",
+                self.vram_reserve_percent
+            )));
+        }
+        if !(0.0..=100.0).contains(&self.fragmentation_margin_percent) {
+            return Err(Error::Config(format!(
+                "fragmentation_margin_percent must be between 0 and 100, got {}",
+                self.fragmentation_margin_percent
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn vram_reserve_bytes(&self, total_bytes: u64) -> u64 {
+        match self.vram_reserve_mib {
+            Some(mib) => mib * MIB,
+            None => (self.vram_reserve_min_mib * MIB)
+                .max((total_bytes as f64 * self.vram_reserve_percent / 100.0) as u64),
+        }
+    }
+
+    pub fn host_reserve_bytes(&self, total_bytes: u64) -> u64 {
+        (self.host_reserve_mib * MIB)
+            .max((total_bytes as f64 * self.host_reserve_percent / 100.0) as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::footprint::GIB;
+
+    #[test]
+    fn default_reserve_is_the_larger_of_1_gib_and_10_percent() {
+        let c = MemoryConfig::default();
+        assert_eq!(c.vram_reserve_bytes(8 * GIB), GIB);
+        assert_eq!(c.vram_reserve_bytes(80 * GIB), 8 * GIB);
+    }
+
+    #[test]
+    fn toml_overrides_defaults_and_rejects_unknown_keys() {
+        let c = MemoryConfig::from_toml("[memory]\nvram_reserve_mib = 512\n").unwrap();
+        assert_eq!(c.vram_reserve_bytes(80 * GIB), 512 * MIB);
+        let err = MemoryConfig::from_toml("[memory]\nvram_reserv_mib = 512\n").unwrap_err();
+        assert!(err.to_string().contains("vram_reserv_mib"), "{err}");
+    }
+}

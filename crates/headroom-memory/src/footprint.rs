@@ -1,0 +1,260 @@
+//! What one request will cost in device memory, predicted before it touches the device:
+//! KV cache for prompt + max_tokens, the activation workspace of one prefill chunk (calibrated by
+//! measurement), and a fragmentation margin. Weights are counted once per loaded model.
+
+use headroom_model::LlamaConfig;
+use serde::{Deserialize, Serialize};
+
+pub const MIB: u64 = 1024 * 1024;
+pub const GIB: u64 = 1024 * MIB;
+
+/// The parts of a model's shape that decide its memory.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelShape {
+    pub layers: u64,
+    pub heads: u64,
+    pub kv_heads: u64,
+    pub head_dim: u64,
+    pub hidden: u64,
+    pub intermediate: u64,
+    pub vocab: u64,
+    pub parameters: u64,
+    /// Bytes per element as the backend holds the weights and activations.
+    pub dtype_bytes: u64,
+    pub context: u64,
+}
+
+impl ModelShape {
+    /// Headroom's engine holds weights, KV cache and activations as f32.
+    pub fn from_config(config: &LlamaConfig) -> Self {
+        Self {
+            layers: config.num_hidden_layers as u64,
+            heads: config.num_attention_heads as u64,
+            kv_heads: config.kv_heads() as u64,
+            head_dim: config.head_dim() as u64,
+            hidden: config.hidden_size as u64,
+            intermediate: config.intermediate_size as u64,
+            vocab: config.vocab_size as u64,
+            parameters: config.parameter_count() as u64,
+            dtype_bytes: 4,
+            context: config.max_position_embeddings as u64,
+        }
+    }
+
+    pub fn weights_bytes(&self) -> u64 {
+        self.parameters * self.dtype_bytes
+    }
+
+    /// 2 (K and V) × layers × kv_heads × head_dim × dtype bytes.
+    pub fn kv_bytes_per_token(&self) -> u64 {
+        2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+    }
+}
+
+/// How activation workspace grows with the prefill chunk `c` and the attended length `l`:
+/// `score_factor × heads·c·l·dtype + token_factor × c·(hidden + intermediate)·dtype + fixed`.
+/// The factors count how many such buffers are alive at the peak; [`Calibration::fit`] measures
+/// them for a model instead of guessing.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Calibration {
+    pub score_factor: f64,
+    pub token_factor: f64,
+    pub fixed_bytes: f64,
+}
+
+impl Default for Calibration {
+    /// An analytic starting point for Headroom's eager engine: scores, masked scores and
+    /// probabilities alive together; about six hidden/intermediate-wide buffers per token.
+    fn default() -> Self {
+        Self {
+            score_factor: 3.0,
+            token_factor: 6.0,
+            fixed_bytes: 0.0,
+        }
+    }
+}
+
+/// One measured point for calibration: prefill chunk, attended length, and the workspace bytes
+/// observed beyond the KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct WorkspaceSample {
+    pub chunk: u64,
+    pub attended: u64,
+    pub workspace_bytes: f64,
+}
+
+impl Calibration {
+    fn terms(shape: &ModelShape, chunk: u64, attended: u64) -> (f64, f64) {
+        let score = (shape.heads * chunk * attended * shape.dtype_bytes) as f64;
+        let token = (chunk * (shape.hidden + shape.intermediate) * shape.dtype_bytes) as f64;
+        (score, token)
+    }
+
+    pub fn workspace_bytes(&self, shape: &ModelShape, chunk: u64, attended: u64) -> u64 {
+        let (score, token) = Self::terms(shape, chunk, attended);
+        (self.score_factor * score + self.token_factor * token + self.fixed_bytes).max(0.0) as u64
+    }
+
+    /// Least-squares fit of the three factors to measured samples (at least three, spanning
+    /// different chunk and length mixes). Falls back to the default when the system is singular.
+    pub fn fit(shape: &ModelShape, samples: &[WorkspaceSample]) -> Self {
+        // Normal equations for y = a·s + b·t + c.
+        let mut m = [[0.0f64; 3]; 3];
+        let mut v = [0.0f64; 3];
+        for s in samples {
+            let (score, token) = Self::terms(shape, s.chunk, s.attended);
+            let x = [score, token, 1.0];
+            for i in 0..3 {
+                for j in 0..3 {
+                    m[i][j] += x[i] * x[j];
+                }
+                v[i] += x[i] * s.workspace_bytes;
+            }
+        }
+        match solve3(m, v) {
+            Some([a, b, c]) if a.is_finite() && b.is_finite() && c.is_finite() => Self {
+                score_factor: a.max(0.0),
+                token_factor: b.max(0.0),
+                fixed_bytes: c,
+            },
+            _ => Self::default(),
+        }
+    }
+}
+
+fn solve3(mut m: [[f64; 3]; 3], mut v: [f64; 3]) -> Option<[f64; 3]> {
+    for col in 0..3 {
+        let pivot = (col..3).max_by(|&a, &b| m[a][col].abs().total_cmp(&m[b][col].abs()))?;
+        if m[pivot][col].abs() < 1e-30 {
+            return None;
+        }
+        m.swap(col, pivot);
+        v.swap(col, pivot);
+        for row in 0..3 {
+            if row != col {
+                let f = m[row][col] / m[col][col];
+                for k in 0..3 {
+                    m[row][k] -= f * m[col][k];
+                }
+                v[row] -= f * v[col];
+            }
+        }
+    }
+    Some([v[0] / m[0][0], v[1] / m[1][1], v[2] / m[2][2]])
+}
+
+/// A request as the memory model sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RequestShape {
+    pub prompt_tokens: u64,
+    pub max_tokens: u64,
+    pub prefill_chunk: u64,
+}
+
+/// Predicted memory of one request on one device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Footprint {
+    /// The model's weights (held once per worker, not per request).
+    pub weights_bytes: u64,
+    pub kv_bytes: u64,
+    pub workspace_bytes: u64,
+    pub margin_bytes: u64,
+    pub tokens: u64,
+}
+
+impl Footprint {
+    pub fn estimate(
+        shape: &ModelShape,
+        request: RequestShape,
+        calibration: &Calibration,
+        margin_percent: f64,
+    ) -> Self {
+        let tokens = request.prompt_tokens + request.max_tokens;
+        let kv_bytes = shape.kv_bytes_per_token() * tokens;
+        let chunk = request.prefill_chunk.clamp(1, request.prompt_tokens.max(1));
+        // The last prefill chunk attends to the whole prompt: the largest score matrix.
+        let workspace_prefill = calibration.workspace_bytes(shape, chunk, request.prompt_tokens);
+        let workspace_decode = calibration.workspace_bytes(shape, 1, tokens);
+        // Rotary tables for every position of the request: cos and sin.
+        let rope = 2 * tokens * shape.head_dim * shape.dtype_bytes;
+        let workspace_bytes = workspace_prefill.max(workspace_decode) + rope;
+        let margin_bytes = ((kv_bytes + workspace_bytes) as f64 * margin_percent / 100.0) as u64;
+        Self {
+            weights_bytes: shape.weights_bytes(),
+            kv_bytes,
+            workspace_bytes,
+            margin_bytes,
+            tokens,
+        }
+    }
+
+    /// What the request adds on a device that already holds the weights.
+    pub fn request_bytes(&self) -> u64 {
+        self.kv_bytes + self.workspace_bytes + self.margin_bytes
+    }
+
+    /// The request without its safety margin: what an exact prediction of the peak would be.
+    pub fn predicted_peak_bytes(&self) -> u64 {
+        self.kv_bytes + self.workspace_bytes
+    }
+}
+
+/// Bytes in MiB with one decimal, or GiB past 1 GiB, for human reasons.
+pub fn human_bytes(bytes: u64) -> String {
+    if bytes >= GIB {
+        format!("{:.2} GiB", bytes as f64 / GIB as f64)
+    } else {
+        format!("{:.1} MiB", bytes as f64 / MIB as f64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape() -> ModelShape {
+        ModelShape {
+            layers: 16,
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 64,
+            hidden: 2048,
+            intermediate: 8192,
+            vocab: 128_256,
+            parameters: 1_235_814_400,
+            dtype_bytes: 2,
+            context: 131_072,
+        }
+    }
+
+    #[test]
+    fn kv_bytes_follow_the_formula() {
+        // Llama 3.2 1B in f16: 2 × 16 × 8 × 64 × 2 = 32 KiB per token.
+        assert_eq!(shape().kv_bytes_per_token(), 32 * 1024);
+        let f = Footprint::estimate(
+            &shape(),
+            RequestShape { prompt_tokens: 1000, max_tokens: 24, prefill_chunk: 256 },
+            &Calibration::default(),
+            5.0,
+        );
+        assert_eq!(f.kv_bytes, 1024 * 32 * 1024);
+        assert!(f.margin_bytes > 0);
+    }
+
+    #[test]
+    fn calibration_fit_recovers_known_factors() {
+        let s = shape();
+        let truth = Calibration { score_factor: 2.5, token_factor: 7.0, fixed_bytes: 12345.0 };
+        let samples: Vec<WorkspaceSample> = [(16, 64), (64, 64), (64, 512), (256, 512), (128, 1024)]
+            .iter()
+            .map(|&(c, l)| WorkspaceSample {
+                chunk: c,
+                attended: l,
+                workspace_bytes: truth.workspace_bytes(&s, c, l) as f64,
+            })
+            .collect();
+        let fit = Calibration::fit(&s, &samples);
+        assert!((fit.score_factor - 2.5).abs() < 1e-3, "{fit:?}");
+        assert!((fit.token_factor - 7.0).abs() < 1e-3, "{fit:?}");
+    }
+}

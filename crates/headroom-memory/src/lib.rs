@@ -1,0 +1,23 @@
+//! `headroom-memory` owns footprint estimates, the VRAM reserve policy, the ledger of
+//! reservations, observations (NVML, host RAM via sysinfo, a counting allocator) and the
+//! admission decision. It never runs models or spawns processes.
+
+pub mod admit;
+pub mod config;
+pub mod footprint;
+pub mod ledger;
+pub mod observe;
+
+pub use admit::{Admission, Allowances, Budget, Planner};
+pub use config::MemoryConfig;
+pub use footprint::{Calibration, Footprint, ModelShape, RequestShape, WorkspaceSample, GIB, MIB};
+pub use ledger::{Insufficient, Ledger, Reservation};
+pub use observe::{CountingAllocator, GpuMemory, HostMemory, MemorySampler, Sample};
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("memory config: {0}")]
+    Config(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
