@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 need_apt=()
-for pkg in build-essential pkg-config libssl-dev curl ca-certificates; do
+for pkg in build-essential pkg-config libssl-dev libopenblas-dev curl ca-certificates; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then
@@ -16,4 +16,7 @@ if ! command -v cargo >/dev/null 2>&1; then
   [ -x "$HOME/.cargo/bin/cargo" ] || curl -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal
   export PATH="$HOME/.cargo/bin:$PATH"
 fi
-cargo build -p headroom-cli --bin headroom
+# The test script builds through `cargo test` instead, so CI compiles everything once.
+if [ -z "${HEADROOM_SKIP_BUILD:-}" ]; then
+  cargo build -p headroom-cli --bin headroom
+fi

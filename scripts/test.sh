@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 step() { printf '\n=== %s ===\n' "$*"; }
 
 step "install"
-./scripts/install.sh
+HEADROOM_SKIP_BUILD=1 ./scripts/install.sh
 
 step "rust: unit and integration tests (default members, no CUDA needed)"
 cargo test --workspace

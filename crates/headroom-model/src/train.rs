@@ -384,3 +384,27 @@ fn sample_batch(stream: &[u32], batch: usize, seq_len: usize, rng: &mut ChaCha20
     }
     (inputs, targets)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EXCERPT: &str = "\nGenesis 1\n\n  1 In the beginning God created the heaven and the earth.\n  2 And the earth was without form, and void; and darkness was upon the face of\nthe deep. And the Spirit of God moved upon the face of the waters.\n\nGenesis 2\n\n  1 Thus the heavens and the earth were finished, and all the host of them.\n";
+
+    #[test]
+    fn parses_bible_output_with_wrapped_verses() {
+        let verses = parse_bible(EXCERPT);
+        assert_eq!(verses.len(), 3);
+        assert_eq!(verses[0].reference, "Genesis 1:1");
+        assert!(verses[1].text.ends_with("the face of the deep. And the Spirit of God moved upon the face of the waters."));
+        assert_eq!(verses[2].reference, "Genesis 2:1");
+    }
+
+    #[test]
+    fn documents_are_chapters_plus_chatml_exchanges() {
+        let verses = parse_bible(EXCERPT);
+        let docs = build_documents(&verses, 1.0, 3);
+        assert!(docs.iter().any(|d| d.starts_with("Genesis 1\nIn the beginning")));
+        assert!(docs.iter().any(|d| d == "<|im_start|>user\nGenesis 2:1<|im_end|>\n<|im_start|>assistant\nThus the heavens and the earth were finished, and all the host of them.<|im_end|>\n"));
+    }
+}

@@ -1,0 +1,82 @@
+//! The `headroom` binary end to end: generate on the embedded model, device errors, plan.
+
+use std::process::Command;
+
+fn headroom() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_headroom"));
+    cmd.env_remove("HEADROOM_CONFIG");
+    cmd
+}
+
+#[test]
+fn generate_streams_text_from_the_embedded_model() {
+    let out = headroom()
+        .args(["generate", "--model", "default", "--prompt", "And God said", "--max-tokens", "12", "--device", "auto", "--stats"])
+        .env("HEADROOM_DISABLE_CUDA", "1")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stdout.trim().len() > 5, "no text: {stdout:?}");
+    assert!(stderr.contains("running on CPU: HEADROOM_DISABLE_CUDA is set"), "{stderr}");
+    assert!(stderr.contains("decode"), "{stderr}");
+}
+
+#[test]
+fn cuda_without_a_driver_is_a_clear_error() {
+    let out = headroom()
+        .args(["generate", "--prompt", "x", "--device", "cuda"])
+        .env("HEADROOM_DISABLE_CUDA", "1")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--device cuda") && stderr.contains("use --device cpu"), "{stderr}");
+}
+
+#[test]
+fn a_missing_model_folder_names_the_problem() {
+    let out = headroom()
+        .args(["generate", "--model", "/nonexistent/model", "--prompt", "x", "--device", "cpu"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("/nonexistent/model") && stderr.contains("is not a folder"), "{stderr}");
+}
+
+#[test]
+fn too_long_prompt_states_the_limits() {
+    let prompt = "word ".repeat(2000);
+    let out = headroom()
+        .args(["generate", "--prompt", &prompt, "--max-tokens", "10", "--device", "cpu"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("context is 1024 tokens"), "{stderr}");
+}
+
+#[test]
+fn plan_prints_the_breakdown_and_a_decision() {
+    let out = headroom()
+        .args(["plan", "--prompt-tokens", "200", "--max-tokens", "300", "--vram-total-mib", "2048", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    // Demo model: 2 × 4 layers × 4 kv heads × 32 × 4 bytes = 4 KiB per token.
+    assert_eq!(plan["footprint"]["kv_bytes"], 4096 * 500);
+    assert_eq!(plan["gpu_budget"]["reserve_bytes"], 1024 * 1024 * 1024u64);
+    assert_eq!(plan["admission"]["decision"], "gpu");
+
+    // A GPU smaller than its reserve: the request goes to CPU, with the reason.
+    let out = headroom()
+        .args(["plan", "--prompt-tokens", "200", "--max-tokens", "300", "--vram-total-mib", "1000", "--json"])
+        .output()
+        .unwrap();
+    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(plan["admission"]["decision"], "cpu", "{plan}");
+    assert!(plan["admission"]["reason"].as_str().unwrap().contains("more than the GPU can ever hold"));
+}
