@@ -3,6 +3,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 
+mod failover;
 mod memory;
 
 use anyhow::{bail, Context, Result};
@@ -93,6 +94,23 @@ enum Command {
         #[command(subcommand)]
         what: BenchCommand,
     },
+    /// Run one worker process (started by the router; speaks the worker protocol on stdio).
+    Worker {
+        /// cpu, sim (simulated VRAM with fault injection) or cuda:N.
+        #[arg(long)]
+        device: String,
+        /// Requests generated at once (default: 4 on a GPU, 1 on the CPU).
+        #[arg(long)]
+        max_concurrency: Option<u32>,
+        /// Context limit (prompt + max_tokens) below the model's own.
+        #[arg(long)]
+        max_context_tokens: Option<u32>,
+        #[arg(long, default_value_t = 1000)]
+        memory_sample_ms: u64,
+        /// Simulated VRAM capacity of the sim device.
+        #[arg(long, default_value_t = 2048)]
+        sim_vram_mib: u64,
+    },
     /// Train the embedded demo model (tokenizer and weights) from the King James Bible text.
     Train {
         /// Text of `bible gen1:1-rev22:21` (Debian package bible-kjv); `-` reads stdin.
@@ -119,6 +137,20 @@ enum Command {
 
 #[derive(Subcommand)]
 enum BenchCommand {
+    /// Failover and restore times on the sim GPU: GPU failure → first CPU token of the replayed
+    /// request (vs CPU prefill), and GPU worker restore (vs model load).
+    Failover {
+        #[arg(long, default_value = "default")]
+        model: String,
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+        #[arg(long, default_value_t = 128)]
+        prompt_tokens: usize,
+        #[arg(long, default_value_t = 16)]
+        max_tokens: usize,
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// Predicted vs measured peak memory of requests on CPU, over a grid of prompt lengths and
     /// max_tokens, for the given model and a ~100M-parameter random one.
     Memory {
@@ -204,6 +236,25 @@ fn main() -> Result<()> {
         Command::Bench {
             what: BenchCommand::Memory { model, skip_100m, json },
         } => memory::bench_memory(&open_bundle(&model)?, !skip_100m, json.as_deref()),
+        Command::Bench {
+            what: BenchCommand::Failover { model, runs, prompt_tokens, max_tokens, json },
+        } => failover::bench_failover(&resolve_model_dir(&model), runs, prompt_tokens, max_tokens, json.as_deref()),
+        Command::Worker { device, max_concurrency, max_context_tokens, memory_sample_ms, sim_vram_mib } => {
+            let device: headroom_worker::DeviceKind = device.parse().map_err(anyhow::Error::msg)?;
+            if let headroom_worker::DeviceKind::Cuda(_) = device {
+                if let headroom_model::device::CudaProbe::Unavailable { reason } = probe_cuda() {
+                    bail!("worker --device {device}: {reason}; use --device cpu or sim");
+                }
+            }
+            let mut options = headroom_worker::WorkerOptions::new(device);
+            if let Some(n) = max_concurrency {
+                options.max_concurrency = n.max(1);
+            }
+            options.max_context_tokens = max_context_tokens;
+            options.memory_sample_ms = memory_sample_ms;
+            options.sim_vram_mib = sim_vram_mib;
+            std::process::exit(headroom_worker::run_stdio(options));
+        }
         Command::Train {
             corpus,
             out,

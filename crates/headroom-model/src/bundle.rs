@@ -176,6 +176,14 @@ impl ModelBundle {
     }
 
     /// A short id for logs and status: the first 12 hex digits of the hash.
+    /// The folder's name (`default` for the embedded model), for status lines and responses.
+    pub fn name(&self) -> String {
+        self.dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| self.dir.display().to_string())
+    }
+
     pub fn short_hash(&self) -> &str {
         &self.hash[..12]
     }

@@ -249,6 +249,11 @@ impl<'m, B: Backend> Session<'m, B> {
         &self.generated
     }
 
+    /// The sampler's state now: what a checkpoint taken at this token would hold.
+    pub fn sampler_state(&self) -> SamplerState {
+        self.sampler.state()
+    }
+
     pub fn checkpoint(&self) -> Checkpoint {
         Checkpoint {
             prompt_tokens: self.prompt.clone(),

@@ -1,0 +1,37 @@
+//! Service events: every breaker transition, worker start, exit and restart, failover and memory
+//! sample, with its reason. They feed the UI, the tray, the SSE stream and metrics.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use headroom_worker::MemoryReading;
+use serde::{Deserialize, Serialize};
+
+use crate::breaker::BreakerState;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ServiceEvent {
+    pub at_unix_ms: u64,
+    #[serde(flatten)]
+    pub kind: EventKind,
+}
+
+impl ServiceEvent {
+    pub fn now(kind: EventKind) -> Self {
+        let at_unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+        Self { at_unix_ms, kind }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum EventKind {
+    BreakerChanged { from: BreakerState, to: BreakerState, reason: String },
+    /// The service entered (`degraded: true`) or left degraded mode: GPU requests go to the CPU.
+    Degraded { degraded: bool, reason: String },
+    WorkerStarted { device: String, pid: u32, simulated: bool, load_ms: f64, bundle_hash: String },
+    WorkerExited { device: String, pid: u32, status: String },
+    WorkerRestartScheduled { device: String, attempt: u32, delay_ms: u64, reason: String },
+    HealthCheckFailed { device: String, pid: u32, reason: String },
+    Failover { request_id: String, from: String, to: String, reason: String, resumed_after_tokens: u32 },
+    MemorySample { reading: MemoryReading },
+}

@@ -1,0 +1,668 @@
+//! Supervision: start the GPU and CPU workers, check their health, notice deaths and hangs,
+//! restart the GPU worker with exponential backoff, and drive the circuit breaker through its
+//! probe. Also the first half of dispatch: run a request on the GPU while the breaker is closed
+//! and fail it over to the warm CPU worker (replay, or resume from the last token) when the GPU
+//! fails. The CPU worker's own requests are never touched by anything the GPU does.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use headroom_model::{Checkpoint, FinishReason, GenerateRequest, SamplerState};
+use headroom_worker::{DeviceKind, FailureKind, Fault, FromWorker, GenerateJob, WorkerOptions};
+use serde::{Deserialize, Serialize};
+use tokio::sync::broadcast;
+
+use crate::breaker::{Breaker, BreakerConfig, BreakerState, FailureCause, Transition};
+use crate::events::{EventKind, ServiceEvent};
+use crate::worker::{Worker, WorkerSpec};
+use crate::{Error, Result};
+
+/// Supervision knobs: the `[supervision]` table of a Headroom config file. Units in the names.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SupervisionConfig {
+    pub health_interval_ms: u64,
+    /// A worker that does not answer a health check within this is hung and is replaced.
+    pub health_timeout_ms: u64,
+    pub load_timeout_ms: u64,
+    /// First restart delay of the GPU worker; doubles per failed attempt up to the max.
+    pub restart_backoff_initial_ms: u64,
+    pub restart_backoff_max_ms: u64,
+    /// Canary allocation of the half-open probe.
+    pub probe_canary_mib: u64,
+    pub breaker: BreakerConfig,
+}
+
+impl Default for SupervisionConfig {
+    fn default() -> Self {
+        Self {
+            health_interval_ms: 1000,
+            health_timeout_ms: 3000,
+            load_timeout_ms: 300_000,
+            restart_backoff_initial_ms: 250,
+            restart_backoff_max_ms: 30_000,
+            probe_canary_mib: 64,
+            breaker: BreakerConfig::default(),
+        }
+    }
+}
+
+impl SupervisionConfig {
+    /// Parses the `[supervision]` table of a Headroom config file (other tables are ignored).
+    pub fn from_toml(text: &str) -> Result<Self> {
+        let value: toml::Table = toml::from_str(text).map_err(|e| Error::Invalid(format!("invalid TOML: {e}")))?;
+        match value.get("supervision") {
+            Some(table) => table.clone().try_into().map_err(|e| Error::Invalid(format!("[supervision]: {e}"))),
+            None => Ok(Self::default()),
+        }
+    }
+
+    fn health_interval(&self) -> Duration {
+        Duration::from_millis(self.health_interval_ms)
+    }
+    fn health_timeout(&self) -> Duration {
+        Duration::from_millis(self.health_timeout_ms)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct SupervisorConfig {
+    /// The `headroom` binary whose `worker` subcommand runs a worker.
+    pub program: PathBuf,
+    pub model_dir: PathBuf,
+    /// The GPU worker (`cuda:N` or `sim`); `None` serves from the CPU only.
+    pub gpu: Option<WorkerOptions>,
+    pub cpu: WorkerOptions,
+    /// A smaller model for the CPU worker; responses it serves then say so.
+    pub cpu_fallback_model_dir: Option<PathBuf>,
+    pub supervision: SupervisionConfig,
+}
+
+impl SupervisorConfig {
+    pub fn new(program: PathBuf, model_dir: PathBuf, gpu: Option<WorkerOptions>) -> Self {
+        Self {
+            program,
+            model_dir,
+            gpu,
+            cpu: WorkerOptions::new(DeviceKind::Cpu),
+            cpu_fallback_model_dir: None,
+            supervision: SupervisionConfig::default(),
+        }
+    }
+}
+
+/// A request as the dispatcher runs it.
+#[derive(Debug, Clone)]
+pub struct RunRequest {
+    pub request_id: String,
+    pub request: GenerateRequest,
+    /// Whether a stream already under way may continue on another device from its last token.
+    /// Without it, a failure after the first token ends the request with a resumable error.
+    pub allow_resume: bool,
+}
+
+/// One token as the client sees it.
+#[derive(Debug, Clone)]
+pub struct StreamedToken {
+    pub index: u32,
+    pub token: u32,
+    pub text: String,
+    pub device: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FailoverRecord {
+    pub from: String,
+    pub to: String,
+    pub reason: String,
+    /// Tokens already delivered when the GPU failed (0: replayed from the start).
+    pub resumed_after_tokens: u32,
+    /// From the failure's report to the first token from the CPU worker.
+    pub failure_to_first_token_ms: Option<f64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunOutcome {
+    pub request_id: String,
+    /// The device that finished the request.
+    pub device: String,
+    pub simulated: bool,
+    pub degraded: bool,
+    pub degraded_reason: Option<String>,
+    /// The CPU worker's smaller model, when it served the request.
+    pub fallback_model: Option<String>,
+    pub tokens: Vec<u32>,
+    pub text: String,
+    pub finish_reason: FinishReason,
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    /// Prefill (and checkpoint replay) time of the attempt that finished.
+    pub prefill_ms: f64,
+    pub failovers: Vec<FailoverRecord>,
+}
+
+/// Where the dispatcher may send a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    /// The GPU while the breaker is closed, else the CPU.
+    Auto,
+    Cpu,
+}
+
+struct Inner {
+    config: SupervisorConfig,
+    gpu: RwLock<Option<Arc<Worker>>>,
+    cpu: RwLock<Option<Arc<Worker>>>,
+    breaker: Mutex<Breaker>,
+    events: broadcast::Sender<ServiceEvent>,
+    /// Faults that model the environment (a competing program, a slow card) outlive restarts.
+    sim_environment: Mutex<Vec<Fault>>,
+    shutting_down: std::sync::atomic::AtomicBool,
+}
+
+#[derive(Clone)]
+pub struct Supervisor {
+    inner: Arc<Inner>,
+}
+
+/// The service's device status, for responses, the UI and `/status`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeviceStatus {
+    pub breaker: BreakerState,
+    pub reason: String,
+    pub degraded: bool,
+    pub gpu: Option<WorkerStatus>,
+    pub cpu: Option<WorkerStatus>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerStatus {
+    pub device: String,
+    pub pid: u32,
+    pub simulated: bool,
+    pub model: String,
+    pub bundle_hash: String,
+    pub load_ms: f64,
+}
+
+fn status_of(worker: &Worker) -> WorkerStatus {
+    WorkerStatus {
+        device: worker.device.label(),
+        pid: worker.pid,
+        simulated: worker.ready.simulated,
+        model: worker.ready.model_name.clone(),
+        bundle_hash: worker.ready.bundle_hash.clone(),
+        load_ms: worker.ready.load_ms,
+    }
+}
+
+impl Supervisor {
+    /// Starts the CPU worker (warm) and the GPU worker side by side and checks they hold the same
+    /// bundle (or that a fallback model was asked for). A GPU that fails to start leaves the
+    /// service degraded, not down.
+    pub async fn start(config: SupervisorConfig) -> Result<Supervisor> {
+        let (events, _) = broadcast::channel(1024);
+        let inner = Arc::new(Inner {
+            breaker: Mutex::new(Breaker::new(config.supervision.breaker.clone())),
+            config,
+            gpu: RwLock::new(None),
+            cpu: RwLock::new(None),
+            events,
+            sim_environment: Mutex::new(Vec::new()),
+            shutting_down: false.into(),
+        });
+        let supervisor = Supervisor { inner };
+        let cpu_spec = supervisor.cpu_spec();
+        let gpu_spec = supervisor.gpu_spec();
+        let (cpu, gpu) = tokio::join!(Worker::spawn(&cpu_spec), async {
+            match &gpu_spec {
+                Some(spec) => Some(Worker::spawn(spec).await),
+                None => None,
+            }
+        });
+        let cpu = cpu?;
+        supervisor.announce(&cpu);
+        *supervisor.inner.cpu.write().unwrap() = Some(cpu.clone());
+        match gpu {
+            Some(Ok(gpu)) => {
+                if supervisor.inner.config.cpu_fallback_model_dir.is_none() && gpu.ready.bundle_hash != cpu.ready.bundle_hash {
+                    return Err(Error::Worker(format!(
+                        "the GPU and CPU workers loaded different models ({} vs {}); point both at one folder or configure a fallback model",
+                        &gpu.ready.bundle_hash[..12.min(gpu.ready.bundle_hash.len())],
+                        &cpu.ready.bundle_hash[..12.min(cpu.ready.bundle_hash.len())]
+                    )));
+                }
+                supervisor.announce(&gpu);
+                *supervisor.inner.gpu.write().unwrap() = Some(gpu);
+            }
+            Some(Err(e)) => {
+                tracing::error!(error = %e, "GPU worker failed to start; serving from the CPU");
+                supervisor.trip(FailureCause::DeviceLost, &format!("GPU worker failed to start: {e}"));
+            }
+            None => {}
+        }
+        if supervisor.inner.config.gpu.is_some() {
+            tokio::spawn(supervisor.clone().watch_gpu());
+        }
+        tokio::spawn(supervisor.clone().watch_cpu());
+        Ok(supervisor)
+    }
+
+    fn cpu_spec(&self) -> WorkerSpec {
+        let c = &self.inner.config;
+        WorkerSpec {
+            program: c.program.clone(),
+            options: c.cpu.clone(),
+            model_dir: c.cpu_fallback_model_dir.clone().unwrap_or_else(|| c.model_dir.clone()),
+            load_timeout: Duration::from_millis(c.supervision.load_timeout_ms),
+        }
+    }
+
+    fn gpu_spec(&self) -> Option<WorkerSpec> {
+        let c = &self.inner.config;
+        c.gpu.as_ref().map(|options| WorkerSpec {
+            program: c.program.clone(),
+            options: options.clone(),
+            model_dir: c.model_dir.clone(),
+            load_timeout: Duration::from_millis(c.supervision.load_timeout_ms),
+        })
+    }
+
+    pub fn subscribe(&self) -> broadcast::Receiver<ServiceEvent> {
+        self.inner.events.subscribe()
+    }
+
+    fn emit(&self, kind: EventKind) {
+        tracing::info!(event = ?kind, "service event");
+        let _ = self.inner.events.send(ServiceEvent::now(kind));
+    }
+
+    fn announce(&self, worker: &Worker) {
+        self.emit(EventKind::WorkerStarted {
+            device: worker.device.label(),
+            pid: worker.pid,
+            simulated: worker.ready.simulated,
+            load_ms: worker.ready.load_ms,
+            bundle_hash: worker.ready.bundle_hash.clone(),
+        });
+    }
+
+    fn transition(&self, t: Option<Transition>) {
+        let Some(t) = t else { return };
+        tracing::warn!(from = ?t.from, to = ?t.to, reason = %t.reason, "breaker");
+        let was_degraded = t.from != BreakerState::Closed;
+        let degraded = t.to != BreakerState::Closed;
+        self.emit(EventKind::BreakerChanged { from: t.from, to: t.to, reason: t.reason.clone() });
+        if was_degraded != degraded {
+            let reason = if degraded {
+                format!("GPU unavailable, serving from the CPU: {}", t.reason)
+            } else {
+                format!("GPU restored: {}", t.reason)
+            };
+            self.emit(EventKind::Degraded { degraded, reason });
+        }
+    }
+
+    fn trip(&self, cause: FailureCause, reason: &str) {
+        let t = self.inner.breaker.lock().unwrap().record_failure(cause, reason, Instant::now());
+        self.transition(t);
+    }
+
+    pub fn status(&self) -> DeviceStatus {
+        let breaker = self.inner.breaker.lock().unwrap();
+        DeviceStatus {
+            breaker: breaker.state(),
+            reason: breaker.reason().to_string(),
+            degraded: self.inner.config.gpu.is_some() && !breaker.allows_requests(),
+            gpu: self.inner.gpu.read().unwrap().as_deref().map(status_of),
+            cpu: self.inner.cpu.read().unwrap().as_deref().map(status_of),
+        }
+    }
+
+    pub fn gpu_worker(&self) -> Option<Arc<Worker>> {
+        self.inner.gpu.read().unwrap().clone()
+    }
+
+    pub fn cpu_worker(&self) -> Option<Arc<Worker>> {
+        self.inner.cpu.read().unwrap().clone()
+    }
+
+    /// Injects a fault into the sim GPU worker. Environment faults (competing workload,
+    /// slowdown) are re-applied to every restarted worker; `Clear` forgets them.
+    pub async fn inject_fault(&self, fault: Fault) -> Result<()> {
+        let worker = self.gpu_worker().ok_or_else(|| Error::Invalid("no GPU worker is running".into()))?;
+        if worker.device != DeviceKind::Sim {
+            return Err(Error::Invalid(format!("fault injection needs --gpu sim; the GPU worker is {}", worker.device)));
+        }
+        {
+            let mut env = self.inner.sim_environment.lock().unwrap();
+            match &fault {
+                Fault::Compete { .. } => env.retain(|f| !matches!(f, Fault::Compete { .. })),
+                Fault::Slowdown { .. } => env.retain(|f| !matches!(f, Fault::Slowdown { .. })),
+                Fault::Clear => env.clear(),
+                _ => {}
+            }
+            if matches!(fault, Fault::Compete { .. } | Fault::Slowdown { .. }) {
+                env.push(fault.clone());
+            }
+        }
+        worker.fault(fault).await
+    }
+
+    /// Stops both workers.
+    pub async fn shutdown(&self) {
+        self.inner.shutting_down.store(true, std::sync::atomic::Ordering::SeqCst);
+        for worker in [self.gpu_worker(), self.cpu_worker()].into_iter().flatten() {
+            worker.shutdown().await;
+            worker.kill();
+        }
+    }
+
+    fn shutting_down(&self) -> bool {
+        self.inner.shutting_down.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Health checks, death and hang detection, restarts with backoff and the breaker's probe.
+    async fn watch_gpu(self) {
+        let mut attempt = 0u32;
+        // The breaker's opening count when the current worker was started: a worker older than
+        // the latest opening is not trusted and is replaced before the probe.
+        let mut worker_epoch = self.inner.breaker.lock().unwrap().times_opened();
+        loop {
+            if self.shutting_down() {
+                return;
+            }
+            let worker = match self.gpu_worker() {
+                Some(w) => w,
+                None => {
+                    let delay = backoff(&self.inner.config, attempt);
+                    attempt += 1;
+                    self.emit(EventKind::WorkerRestartScheduled {
+                        device: self.inner.config.gpu.as_ref().map(|g| g.device.label()).unwrap_or_default(),
+                        attempt,
+                        delay_ms: delay.as_millis() as u64,
+                        reason: self.inner.breaker.lock().unwrap().reason().to_string(),
+                    });
+                    tokio::time::sleep(delay).await;
+                    let spec = self.gpu_spec().expect("watching a configured GPU");
+                    let spawned = Worker::spawn(&spec).await;
+                    match spawned {
+                        Ok(w) => {
+                            worker_epoch = self.inner.breaker.lock().unwrap().times_opened();
+                            self.announce(&w);
+                            let env = self.inner.sim_environment.lock().unwrap().clone();
+                            for fault in env {
+                                if let Err(e) = w.fault(fault).await {
+                                    tracing::warn!(error = %e, "could not re-apply a sim environment fault");
+                                }
+                            }
+                            *self.inner.gpu.write().unwrap() = Some(w.clone());
+                            w
+                        }
+                        Err(e) => {
+                            tracing::error!(error = %e, attempt, "GPU worker restart failed");
+                            self.trip(FailureCause::DeviceLost, &e.to_string());
+                            continue;
+                        }
+                    }
+                }
+            };
+            let (state, times_opened) = {
+                let b = self.inner.breaker.lock().unwrap();
+                (b.state(), b.times_opened())
+            };
+            if state == BreakerState::Open && times_opened != worker_epoch {
+                // Opened (allocation failures, a failed probe) while this process lived: restart
+                // it clean rather than trust its allocator.
+                self.retire_gpu(&worker).await;
+                continue;
+            }
+            let begin = self.inner.breaker.lock().unwrap().begin_probe(Instant::now());
+            if begin.is_some() {
+                self.transition(begin);
+                let timeout = self.inner.config.supervision.health_timeout().max(Duration::from_secs(10));
+                let result = worker.probe(self.inner.config.supervision.probe_canary_mib * headroom_memory::MIB, timeout).await;
+                let t = {
+                    let mut breaker = self.inner.breaker.lock().unwrap();
+                    match &result {
+                        Ok(detail) => breaker.probe_succeeded(detail, Instant::now()),
+                        Err(e) => breaker.probe_failed(&e.to_string(), Instant::now()),
+                    }
+                };
+                self.transition(t);
+                if result.is_ok() {
+                    attempt = 0;
+                }
+                continue;
+            }
+            // While open, look again soon so the probe follows the cool-down closely.
+            let wait = if state == BreakerState::Closed {
+                self.inner.config.supervision.health_interval()
+            } else {
+                self.inner.config.supervision.health_interval().min(Duration::from_millis(50))
+            };
+            tokio::select! {
+                info = worker.wait_exited() => {
+                    self.emit(EventKind::WorkerExited { device: worker.device.label(), pid: worker.pid, status: info.status.clone() });
+                    self.trip(FailureCause::DeviceLost, &format!("GPU worker (pid {}) {}", worker.pid, info.status));
+                    self.clear_gpu(&worker);
+                }
+                _ = tokio::time::sleep(wait) => {
+                    if state != BreakerState::Closed {
+                        continue;
+                    }
+                    if let Err(e) = worker.health(self.inner.config.supervision.health_timeout()).await {
+                        if worker.has_exited() {
+                            continue;
+                        }
+                        self.emit(EventKind::HealthCheckFailed { device: worker.device.label(), pid: worker.pid, reason: e.to_string() });
+                        self.trip(FailureCause::HealthCheck, &e.to_string());
+                        self.retire_gpu(&worker).await;
+                    }
+                }
+            }
+        }
+    }
+
+    fn clear_gpu(&self, worker: &Arc<Worker>) {
+        let mut slot = self.inner.gpu.write().unwrap();
+        if slot.as_ref().is_some_and(|w| Arc::ptr_eq(w, worker)) {
+            *slot = None;
+        }
+    }
+
+    /// Kills a GPU worker that cannot be trusted and waits for it to be gone.
+    async fn retire_gpu(&self, worker: &Arc<Worker>) {
+        worker.kill();
+        let info = worker.wait_exited().await;
+        self.emit(EventKind::WorkerExited { device: worker.device.label(), pid: worker.pid, status: info.status });
+        self.clear_gpu(worker);
+    }
+
+    /// The CPU worker is the fallback: if it dies it is restarted at once (no breaker).
+    async fn watch_cpu(self) {
+        let mut attempt = 0u32;
+        loop {
+            let Some(worker) = self.cpu_worker() else {
+                tokio::time::sleep(backoff(&self.inner.config, attempt)).await;
+                attempt += 1;
+                match Worker::spawn(&self.cpu_spec()).await {
+                    Ok(w) => {
+                        self.announce(&w);
+                        *self.inner.cpu.write().unwrap() = Some(w);
+                        attempt = 0;
+                    }
+                    Err(e) => tracing::error!(error = %e, "CPU worker restart failed"),
+                }
+                continue;
+            };
+            let info = worker.wait_exited().await;
+            if self.shutting_down() {
+                return;
+            }
+            self.emit(EventKind::WorkerExited { device: worker.device.label(), pid: worker.pid, status: info.status });
+            let mut slot = self.inner.cpu.write().unwrap();
+            if slot.as_ref().is_some_and(|w| Arc::ptr_eq(w, &worker)) {
+                *slot = None;
+            }
+        }
+    }
+
+    /// Runs a request: on the GPU while the breaker is closed, failing over to the CPU worker when
+    /// the GPU fails. `on_token` sees every token once, in order, whichever device produced it.
+    pub async fn run(
+        &self,
+        run: RunRequest,
+        target: Target,
+        mut on_token: impl FnMut(&StreamedToken),
+    ) -> Result<RunOutcome> {
+        let mut delivered: Vec<u32> = Vec::new();
+        let mut delivered_text = String::new();
+        let mut rng_word_pos: Option<String> = None;
+        let mut failovers: Vec<FailoverRecord> = Vec::new();
+        let mut failed_at: Option<Instant> = None;
+        let mut use_gpu = target == Target::Auto && self.inner.breaker.lock().unwrap().allows_requests();
+        loop {
+            let worker = if use_gpu { self.gpu_worker() } else { None };
+            let worker = match worker {
+                Some(w) => w,
+                None => {
+                    use_gpu = false;
+                    self.cpu_worker().ok_or_else(|| Error::Unavailable("no worker is running; the CPU worker is restarting".into()))?
+                }
+            };
+            let device = worker.device.label();
+            let mut request = run.request.clone();
+            if !delivered.is_empty() {
+                request.resume = Some(Checkpoint {
+                    prompt_tokens: run.request.prompt_tokens.clone(),
+                    generated_tokens: delivered.clone(),
+                    delivered_text: delivered_text.clone(),
+                    sampler: SamplerState {
+                        params: run.request.sampling.clone(),
+                        rng_word_pos: rng_word_pos.clone().unwrap_or_else(|| "0".into()),
+                    },
+                });
+            }
+            tracing::info!(request_id = %run.request_id, %device, resumed_after = delivered.len(), "dispatch");
+            let mut rx = worker
+                .generate(GenerateJob { request_id: run.request_id.clone(), request })
+                .await?;
+            let failure = loop {
+                let Some(message) = rx.recv().await else {
+                    break (FailureKind::DeviceLost, format!("the {device} worker stopped answering"), true);
+                };
+                match message {
+                    FromWorker::Token { index, token, text, eos, rng_word_pos: pos, .. } => {
+                        if let (Some(at), Some(last)) = (failed_at.take(), failovers.last_mut()) {
+                            last.failure_to_first_token_ms = Some(at.elapsed().as_secs_f64() * 1000.0);
+                        }
+                        if !eos {
+                            delivered.push(token);
+                        }
+                        delivered_text.push_str(&text);
+                        rng_word_pos = Some(pos);
+                        on_token(&StreamedToken { index, token, text, device: device.clone() });
+                    }
+                    FromWorker::Done { finish_reason, prompt_tokens, completion_tokens, prefill_ms, .. } => {
+                        let status = self.status();
+                        let on_cpu = !worker.device.is_gpu();
+                        let degraded = on_cpu && self.inner.config.gpu.is_some() && (status.degraded || !failovers.is_empty());
+                        let degraded_reason = degraded.then(|| {
+                            failovers.last().map(|f| f.reason.clone()).unwrap_or_else(|| status.reason.clone())
+                        });
+                        let fallback_model = (on_cpu && self.inner.config.cpu_fallback_model_dir.is_some())
+                            .then(|| worker.ready.model_name.clone());
+                        return Ok(RunOutcome {
+                            request_id: run.request_id,
+                            device,
+                            simulated: worker.ready.simulated,
+                            degraded,
+                            degraded_reason,
+                            fallback_model,
+                            tokens: delivered,
+                            text: delivered_text,
+                            finish_reason,
+                            prompt_tokens,
+                            completion_tokens,
+                            prefill_ms,
+                            failovers,
+                        });
+                    }
+                    FromWorker::Failed { kind, message, replayable, .. } => break (kind, message, replayable),
+                    other => tracing::warn!(?other, "unexpected frame on a request stream"),
+                }
+            };
+            let (kind, message, replayable) = failure;
+            match kind {
+                FailureKind::Cancelled => return Err(Error::Cancelled),
+                FailureKind::Invalid => return Err(Error::Invalid(message)),
+                _ => {}
+            }
+            if !(use_gpu && replayable) {
+                return Err(Error::Worker(format!("{device}: {message}")));
+            }
+            // The GPU failed this request: count it, then continue on the CPU.
+            failed_at = Some(Instant::now());
+            match kind {
+                FailureKind::Oom => self.trip(FailureCause::Oom, &message),
+                FailureKind::DeviceLost => self.trip(FailureCause::DeviceLost, &message),
+                _ => {}
+            }
+            if !delivered.is_empty() && !run.allow_resume {
+                return Err(Error::Interrupted {
+                    reason: message,
+                    delivered_tokens: delivered.len() as u32,
+                });
+            }
+            let cpu = self.cpu_worker().map(|w| w.device.label()).unwrap_or_else(|| "cpu".into());
+            let reason = format!("{device} failed: {message}");
+            self.emit(EventKind::Failover {
+                request_id: run.request_id.clone(),
+                from: device.clone(),
+                to: cpu.clone(),
+                reason: reason.clone(),
+                resumed_after_tokens: delivered.len() as u32,
+            });
+            failovers.push(FailoverRecord {
+                from: device,
+                to: cpu,
+                reason,
+                resumed_after_tokens: delivered.len() as u32,
+                failure_to_first_token_ms: None,
+            });
+            use_gpu = false;
+        }
+    }
+}
+
+fn backoff(config: &SupervisorConfig, attempt: u32) -> Duration {
+    let s = &config.supervision;
+    let factor = 2u64.saturating_pow(attempt.min(16));
+    Duration::from_millis(s.restart_backoff_initial_ms.saturating_mul(factor).min(s.restart_backoff_max_ms))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_up_to_the_cap() {
+        let mut c = SupervisorConfig::new("headroom".into(), "m".into(), None);
+        c.supervision.restart_backoff_initial_ms = 100;
+        c.supervision.restart_backoff_max_ms = 1000;
+        let delays: Vec<u64> = (0..6).map(|a| backoff(&c, a).as_millis() as u64).collect();
+        assert_eq!(delays, vec![100, 200, 400, 800, 1000, 1000]);
+    }
+
+    #[test]
+    fn supervision_config_reads_its_toml_table_and_rejects_typos() {
+        let c = SupervisionConfig::from_toml("[supervision]\nhealth_timeout_ms = 500\n[supervision.breaker]\ncooldown_ms = 100\n").unwrap();
+        assert_eq!(c.health_timeout_ms, 500);
+        assert_eq!(c.breaker.cooldown_ms, 100);
+        assert_eq!(c.health_interval_ms, SupervisionConfig::default().health_interval_ms);
+        let err = SupervisionConfig::from_toml("[supervision]\nhealth_timeout = 5\n").unwrap_err();
+        assert!(err.to_string().contains("health_timeout"), "{err}");
+    }
+}

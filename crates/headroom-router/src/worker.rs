@@ -1,0 +1,386 @@
+//! The router's handle on one worker process: spawn it, load the model, send frames, route the
+//! frames it sends back to the request or the call waiting for them, and notice when it dies.
+//! Whatever the device, the router sees this one `Worker` type.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use headroom_worker::protocol::{decode_body, encode_frame, frame_len};
+use headroom_worker::{DeviceKind, FailureKind, Fault, FromWorker, GenerateJob, MemoryReading, ToWorker, WorkerOptions, PROTOCOL_VERSION};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::process::{Child, ChildStdin, ChildStdout};
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::{Error, Result};
+
+/// How to start a worker: the `headroom` binary, its worker options and the model to load.
+#[derive(Debug, Clone)]
+pub struct WorkerSpec {
+    pub program: PathBuf,
+    pub options: WorkerOptions,
+    pub model_dir: PathBuf,
+    pub load_timeout: Duration,
+}
+
+/// What a worker said when its model was ready.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReadyInfo {
+    pub bundle_hash: String,
+    pub model_name: String,
+    pub context_tokens: u32,
+    pub max_concurrency: u32,
+    pub load_ms: f64,
+    pub simulated: bool,
+}
+
+/// How the process ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExitInfo {
+    pub status: String,
+}
+
+type Pending<T> = Arc<Mutex<HashMap<u64, oneshot::Sender<T>>>>;
+
+struct Routes {
+    requests: Mutex<HashMap<String, mpsc::UnboundedSender<FromWorker>>>,
+    health: Pending<FromWorker>,
+    probe: Mutex<Option<oneshot::Sender<FromWorker>>>,
+    fault: Mutex<Option<oneshot::Sender<FromWorker>>>,
+    ready: Mutex<Option<oneshot::Sender<FromWorker>>>,
+    memory: watch::Sender<Option<MemoryReading>>,
+}
+
+pub struct Worker {
+    pub device: DeviceKind,
+    pub pid: u32,
+    pub ready: ReadyInfo,
+    stdin: tokio::sync::Mutex<ChildStdin>,
+    child: Arc<Mutex<Option<Child>>>,
+    routes: Arc<Routes>,
+    exited: watch::Receiver<Option<ExitInfo>>,
+    nonce: AtomicU64,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker").field("device", &self.device).field("pid", &self.pid).finish()
+    }
+}
+
+async fn read_message(stdout: &mut ChildStdout) -> Option<FromWorker> {
+    let mut prefix = [0u8; 4];
+    stdout.read_exact(&mut prefix).await.ok()?;
+    let len = frame_len(prefix).map_err(|e| tracing::error!(error = %e, "bad frame from worker")).ok()?;
+    let mut body = vec![0u8; len];
+    stdout.read_exact(&mut body).await.ok()?;
+    decode_body(&body).map_err(|e| tracing::error!(error = %e, "malformed frame from worker")).ok()
+}
+
+impl Worker {
+    /// Starts the process, checks the protocol version, loads the model and waits until ready.
+    pub async fn spawn(spec: &WorkerSpec) -> Result<Arc<Worker>> {
+        let device = spec.options.device;
+        let mut child = tokio::process::Command::new(&spec.program)
+            .args(spec.options.to_args())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| Error::Worker(format!("cannot start {} for {device}: {e}", spec.program.display())))?;
+        let pid = child.id().unwrap_or(0);
+        let mut stdin = child.stdin.take().expect("piped stdin");
+        let mut stdout = child.stdout.take().expect("piped stdout");
+        let hello = tokio::time::timeout(Duration::from_secs(30), read_message(&mut stdout))
+            .await
+            .map_err(|_| Error::Worker(format!("{device} worker (pid {pid}) did not say hello within 30 s")))?;
+        let simulated = match hello {
+            Some(FromWorker::Hello { protocol, simulated, .. }) if protocol == PROTOCOL_VERSION => simulated,
+            Some(FromWorker::Hello { protocol, .. }) => {
+                return Err(Error::Worker(format!(
+                    "{device} worker speaks protocol {protocol}, this router {PROTOCOL_VERSION}; use one headroom binary for both"
+                )))
+            }
+            other => return Err(Error::Worker(format!("{device} worker (pid {pid}) opened with {other:?} instead of hello"))),
+        };
+        let (memory_tx, _) = watch::channel(None);
+        let routes = Arc::new(Routes {
+            requests: Mutex::new(HashMap::new()),
+            health: Arc::new(Mutex::new(HashMap::new())),
+            probe: Mutex::new(None),
+            fault: Mutex::new(None),
+            ready: Mutex::new(None),
+            memory: memory_tx,
+        });
+        let (ready_tx, ready_rx) = oneshot::channel();
+        *routes.ready.lock().unwrap() = Some(ready_tx);
+        let (exit_tx, exit_rx) = watch::channel(None);
+        let child = Arc::new(Mutex::new(Some(child)));
+        tokio::spawn(Self::read_loop(stdout, routes.clone(), child.clone(), exit_tx, device));
+        let load = ToWorker::Load { model_dir: spec.model_dir.display().to_string() };
+        stdin
+            .write_all(&encode_frame(&load).map_err(|e| Error::Worker(e.to_string()))?)
+            .await
+            .map_err(|e| Error::Worker(format!("{device} worker died before loading: {e}")))?;
+        stdin.flush().await.ok();
+        let ready = tokio::time::timeout(spec.load_timeout, ready_rx).await;
+        let ready = match ready {
+            Ok(Ok(FromWorker::Ready { bundle_hash, model_name, context_tokens, max_concurrency, load_ms, .. })) => ReadyInfo {
+                bundle_hash,
+                model_name,
+                context_tokens,
+                max_concurrency,
+                load_ms,
+                simulated,
+            },
+            Ok(Ok(FromWorker::Failed { kind, message, .. })) => {
+                return Err(Error::Worker(format!("{device} worker could not load {}: {message} ({kind:?})", spec.model_dir.display())))
+            }
+            Ok(_) => return Err(Error::Worker(format!("{device} worker exited while loading the model"))),
+            Err(_) => {
+                return Err(Error::Worker(format!(
+                    "{device} worker did not load the model within {} s",
+                    spec.load_timeout.as_secs()
+                )))
+            }
+        };
+        Ok(Arc::new(Worker {
+            device,
+            pid,
+            ready,
+            stdin: tokio::sync::Mutex::new(stdin),
+            child,
+            routes,
+            exited: exit_rx,
+            nonce: AtomicU64::new(1),
+        }))
+    }
+
+    async fn read_loop(
+        mut stdout: ChildStdout,
+        routes: Arc<Routes>,
+        child: Arc<Mutex<Option<Child>>>,
+        exit_tx: watch::Sender<Option<ExitInfo>>,
+        device: DeviceKind,
+    ) {
+        while let Some(message) = read_message(&mut stdout).await {
+            Self::route(&routes, message, device);
+        }
+        // stdout closed: the process is gone (or going). Every waiter hears it as device loss.
+        let status = Self::wait_exit(&child).await;
+        tracing::warn!(%device, %status, "worker process ended");
+        let lost = |id: Option<String>| FromWorker::Failed {
+            request_id: id,
+            kind: FailureKind::DeviceLost,
+            message: format!("the {device} worker process ended ({status})"),
+            replayable: true,
+            checkpoint: None,
+        };
+        for (id, tx) in routes.requests.lock().unwrap().drain() {
+            let _ = tx.send(lost(Some(id)));
+        }
+        routes.health.lock().unwrap().clear();
+        for slot in [&routes.probe, &routes.fault, &routes.ready] {
+            if let Some(tx) = slot.lock().unwrap().take() {
+                let _ = tx.send(lost(None));
+            }
+        }
+        let _ = exit_tx.send(Some(ExitInfo { status }));
+    }
+
+    async fn wait_exit(child: &Arc<Mutex<Option<Child>>>) -> String {
+        // The Child lives in the Worker once spawned; poll it without holding the lock across await.
+        for _ in 0..200 {
+            let status = {
+                let mut guard = child.lock().unwrap();
+                match guard.as_mut() {
+                    Some(c) => c.try_wait().ok().flatten(),
+                    None => None,
+                }
+            };
+            if let Some(status) = status {
+                return describe_status(status);
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        "exit status unknown".into()
+    }
+
+    fn route(routes: &Routes, message: FromWorker, device: DeviceKind) {
+        match &message {
+            FromWorker::Token { request_id, .. } => {
+                if let Some(tx) = routes.requests.lock().unwrap().get(request_id) {
+                    let _ = tx.send(message);
+                }
+            }
+            FromWorker::Done { request_id, .. } | FromWorker::Failed { request_id: Some(request_id), .. } => {
+                if let Some(tx) = routes.requests.lock().unwrap().remove(request_id) {
+                    let _ = tx.send(message);
+                }
+            }
+            FromWorker::Failed { request_id: None, .. } => {
+                let waiter = routes.ready.lock().unwrap().take().or_else(|| routes.fault.lock().unwrap().take());
+                match waiter {
+                    Some(tx) => {
+                        let _ = tx.send(message);
+                    }
+                    None => tracing::warn!(%device, ?message, "worker failure outside a request"),
+                }
+            }
+            FromWorker::Ready { memory, .. } => {
+                routes.memory.send_replace(Some(memory.clone()));
+                if let Some(tx) = routes.ready.lock().unwrap().take() {
+                    let _ = tx.send(message);
+                }
+            }
+            FromWorker::HealthOk { nonce, memory, .. } => {
+                routes.memory.send_replace(Some(memory.clone()));
+                if let Some(tx) = routes.health.lock().unwrap().remove(nonce) {
+                    let _ = tx.send(message);
+                }
+            }
+            FromWorker::ProbeResult { .. } => {
+                if let Some(tx) = routes.probe.lock().unwrap().take() {
+                    let _ = tx.send(message);
+                }
+            }
+            FromWorker::FaultSet { .. } => {
+                if let Some(tx) = routes.fault.lock().unwrap().take() {
+                    let _ = tx.send(message);
+                }
+            }
+            FromWorker::MemorySample { memory } => {
+                routes.memory.send_replace(Some(memory.clone()));
+            }
+            FromWorker::Hello { .. } => tracing::warn!(%device, "unexpected second hello"),
+        }
+    }
+
+    async fn send(&self, message: &ToWorker) -> Result<()> {
+        let frame = encode_frame(message).map_err(|e| Error::Worker(e.to_string()))?;
+        let mut stdin = self.stdin.lock().await;
+        stdin.write_all(&frame).await.map_err(|e| Error::Worker(format!("{} worker is gone: {e}", self.device)))?;
+        stdin.flush().await.map_err(|e| Error::Worker(format!("{} worker is gone: {e}", self.device)))
+    }
+
+    /// Starts a generation; the stream ends with `Done` or `Failed` (a dead worker included).
+    pub async fn generate(&self, job: GenerateJob) -> Result<mpsc::UnboundedReceiver<FromWorker>> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let id = job.request_id.clone();
+        if self.has_exited() {
+            return Err(Error::Worker(format!("the {} worker has exited", self.device)));
+        }
+        self.routes.requests.lock().unwrap().insert(id.clone(), tx);
+        if let Err(e) = self.send(&ToWorker::Generate(job)).await {
+            self.routes.requests.lock().unwrap().remove(&id);
+            return Err(e);
+        }
+        Ok(rx)
+    }
+
+    pub async fn cancel(&self, request_id: &str) -> Result<()> {
+        self.send(&ToWorker::Cancel { request_id: request_id.to_string() }).await
+    }
+
+    /// Asks for a health answer; a worker that does not answer in time is unhealthy.
+    pub async fn health(&self, timeout: Duration) -> Result<MemoryReading> {
+        let nonce = self.nonce.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.routes.health.lock().unwrap().insert(nonce, tx);
+        self.send(&ToWorker::Health { nonce }).await?;
+        match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(FromWorker::HealthOk { memory, .. })) => Ok(memory),
+            Ok(_) => Err(Error::Worker(format!("the {} worker ended during a health check", self.device))),
+            Err(_) => {
+                self.routes.health.lock().unwrap().remove(&nonce);
+                Err(Error::Worker(format!(
+                    "the {} worker (pid {}) did not answer a health check within {} ms",
+                    self.device,
+                    self.pid,
+                    timeout.as_millis()
+                )))
+            }
+        }
+    }
+
+    /// The half-open probe: canary allocation plus one generated token.
+    pub async fn probe(&self, canary_bytes: u64, timeout: Duration) -> Result<String> {
+        let (tx, rx) = oneshot::channel();
+        *self.routes.probe.lock().unwrap() = Some(tx);
+        self.send(&ToWorker::Probe { canary_bytes }).await?;
+        match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(FromWorker::ProbeResult { ok: true, message, .. })) => Ok(message),
+            Ok(Ok(FromWorker::ProbeResult { message, .. })) => Err(Error::Worker(message)),
+            Ok(_) => Err(Error::Worker(format!("the {} worker ended during the probe", self.device))),
+            Err(_) => Err(Error::Worker(format!("the probe got no answer within {} ms", timeout.as_millis()))),
+        }
+    }
+
+    /// Injects a fault (sim only); waits for the worker's acknowledgement. A reset ends the
+    /// process instead of answering.
+    pub async fn fault(&self, fault: Fault) -> Result<()> {
+        let (tx, rx) = oneshot::channel();
+        *self.routes.fault.lock().unwrap() = Some(tx);
+        self.send(&ToWorker::Fault { fault: fault.clone() }).await?;
+        if matches!(fault, Fault::Reset { after_tokens: None }) {
+            return Ok(());
+        }
+        match tokio::time::timeout(Duration::from_secs(5), rx).await {
+            Ok(Ok(FromWorker::FaultSet { .. })) => Ok(()),
+            Ok(Ok(FromWorker::Failed { message, .. })) => Err(Error::Invalid(message)),
+            // A hang takes effect before the acknowledgement can be read.
+            Err(_) if matches!(fault, Fault::Hang) => Ok(()),
+            _ => Err(Error::Worker(format!("the {} worker did not acknowledge the fault", self.device))),
+        }
+    }
+
+    /// The last memory reading the worker sent (health answers and periodic samples).
+    pub fn memory(&self) -> watch::Receiver<Option<MemoryReading>> {
+        self.routes.memory.subscribe()
+    }
+
+    pub fn has_exited(&self) -> bool {
+        self.exited.borrow().is_some()
+    }
+
+    /// Resolves when the process has ended.
+    pub async fn wait_exited(&self) -> ExitInfo {
+        let mut rx = self.exited.clone();
+        loop {
+            if let Some(info) = rx.borrow().clone() {
+                return info;
+            }
+            if rx.changed().await.is_err() {
+                return ExitInfo { status: "exit status unknown".into() };
+            }
+        }
+    }
+
+    /// Kills the process (SIGKILL); its requests hear `DeviceLost`.
+    pub fn kill(&self) {
+        if let Some(child) = self.child.lock().unwrap().as_mut() {
+            let _ = child.start_kill();
+        }
+    }
+
+    /// Asks the process to end after its current frame.
+    pub async fn shutdown(&self) {
+        let _ = self.send(&ToWorker::Shutdown).await;
+    }
+}
+
+fn describe_status(status: std::process::ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(headroom_worker::RESET_EXIT_CODE), _) => "simulated device reset".into(),
+        (Some(headroom_worker::DEVICE_FAULT_EXIT_CODE), _) => "exited after a device fault".into(),
+        (Some(code), _) => format!("exit code {code}"),
+        (None, Some(9)) => "killed by SIGKILL".into(),
+        (None, Some(sig)) => format!("killed by signal {sig}"),
+        _ => "unknown exit".into(),
+    }
+}

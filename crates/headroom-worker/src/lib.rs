@@ -1,0 +1,109 @@
+//! `headroom-worker` owns the worker process (one device each: `cuda`, `cpu`, `sim`), the worker
+//! protocol, health answers and fault injection for `sim`. It never decides routing: the router
+//! tells it what to load and run.
+
+pub mod protocol;
+pub mod runtime;
+pub mod sim;
+
+use serde::{Deserialize, Serialize};
+
+pub use protocol::{FailureKind, Fault, FromWorker, GenerateJob, MemoryReading, ToWorker, PROTOCOL_VERSION};
+pub use runtime::{DEVICE_FAULT_EXIT_CODE, RESET_EXIT_CODE};
+
+/// The device a worker computes on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DeviceKind {
+    Cpu,
+    /// ndarray compute behind a simulated VRAM capacity with fault injection.
+    Sim,
+    Cuda(u32),
+}
+
+impl DeviceKind {
+    pub fn label(&self) -> String {
+        match self {
+            Self::Cpu => "cpu".into(),
+            Self::Sim => "sim".into(),
+            Self::Cuda(i) => format!("cuda:{i}"),
+        }
+    }
+
+    /// Whether this is the GPU side of the service (real or simulated).
+    pub fn is_gpu(&self) -> bool {
+        !matches!(self, Self::Cpu)
+    }
+}
+
+impl std::str::FromStr for DeviceKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(Self::Cpu),
+            "sim" => Ok(Self::Sim),
+            "cuda" => Ok(Self::Cuda(0)),
+            _ => match s.strip_prefix("cuda:").map(str::parse) {
+                Some(Ok(i)) => Ok(Self::Cuda(i)),
+                _ => Err(format!("unknown device {s:?}; use cpu, sim, cuda or cuda:N")),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.label())
+    }
+}
+
+/// How a worker process is started; the router passes these as `headroom worker` flags.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerOptions {
+    pub device: DeviceKind,
+    /// Requests generated at once.
+    pub max_concurrency: u32,
+    /// Context limit below the model's own (prompt + max_tokens), if any.
+    pub max_context_tokens: Option<u32>,
+    /// Interval of unsolicited memory samples; 0 turns them off.
+    pub memory_sample_ms: u64,
+    /// Simulated VRAM capacity (sim only).
+    pub sim_vram_mib: u64,
+}
+
+impl WorkerOptions {
+    pub fn new(device: DeviceKind) -> Self {
+        Self {
+            device,
+            max_concurrency: if device.is_gpu() { 4 } else { 1 },
+            // The CPU path is slow at long contexts and must not eat host RAM: cap it below
+            // what large models allow on a GPU.
+            max_context_tokens: if device.is_gpu() { None } else { Some(8192) },
+            memory_sample_ms: 1000,
+            sim_vram_mib: 2048,
+        }
+    }
+
+    /// The flags `headroom worker` takes for these options.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut args = vec![
+            "worker".to_string(),
+            "--device".into(),
+            self.device.label(),
+            "--max-concurrency".into(),
+            self.max_concurrency.to_string(),
+            "--memory-sample-ms".into(),
+            self.memory_sample_ms.to_string(),
+            "--sim-vram-mib".into(),
+            self.sim_vram_mib.to_string(),
+        ];
+        if let Some(limit) = self.max_context_tokens {
+            args.extend(["--max-context-tokens".into(), limit.to_string()]);
+        }
+        args
+    }
+}
+
+/// Runs the worker on this process's stdin and stdout; returns the exit status.
+pub fn run_stdio(options: WorkerOptions) -> i32 {
+    runtime::run(options, std::io::stdin().lock(), std::io::stdout())
+}

@@ -1,0 +1,524 @@
+//! The worker process's main loop: read router frames from stdin, run each generation on a thread
+//! of its own, write events to stdout. One worker holds one model on one device.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use burn::tensor::backend::Backend;
+use headroom_memory::{Calibration, Ledger, MemoryConfig, Planner, RequestShape, Reservation};
+use headroom_model::{CancelToken, CpuBackend, GenerateRequest, Llama, ModelBundle, Session};
+
+use crate::protocol::{
+    read_frame, write_frame, FailureKind, Fault, FrameError, FromWorker, GenerateJob,
+    MemoryReading, ToWorker, PROTOCOL_VERSION,
+};
+use crate::sim::{FaultState, TokenVerdict};
+use crate::{DeviceKind, WorkerOptions};
+
+/// Exit status of a simulated device reset, so the router's logs can tell it from a crash.
+pub const RESET_EXIT_CODE: i32 = 86;
+/// Exit status after a real CUDA fault: the device cannot be trusted, start a clean process.
+pub const DEVICE_FAULT_EXIT_CODE: i32 = 87;
+
+/// Frames out, one writer at a time. A router that has gone away ends the worker.
+#[derive(Clone)]
+struct Outbox(Arc<Mutex<Box<dyn Write + Send>>>);
+
+impl Outbox {
+    fn send(&self, message: &FromWorker) {
+        let mut out = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = write_frame(&mut *out, message) {
+            tracing::info!(error = %e, "router is gone; worker exits");
+            std::process::exit(0);
+        }
+    }
+}
+
+enum Engine {
+    Cpu(Llama<CpuBackend>),
+    #[cfg(feature = "cuda")]
+    Cuda(Llama<burn_cuda::Cuda<f32>>, burn_cuda::CudaDevice),
+}
+
+struct Loaded {
+    bundle: ModelBundle,
+    engine: Engine,
+    planner: Planner,
+    /// The sim device's weights, held in its ledger for as long as the model is loaded.
+    _weights: Option<Reservation>,
+}
+
+struct State {
+    options: WorkerOptions,
+    out: Outbox,
+    loaded: Mutex<Option<Arc<Loaded>>>,
+    active: Mutex<HashMap<String, CancelToken>>,
+    faults: FaultState,
+    /// Simulated VRAM (sim only).
+    ledger: Option<Ledger>,
+}
+
+/// Runs a worker over the given streams until the router closes them or sends `Shutdown`.
+pub fn run(options: WorkerOptions, input: impl Read, output: impl Write + Send + 'static) -> i32 {
+    let ledger = match options.device {
+        DeviceKind::Sim => Some(Ledger::new("sim", options.sim_vram_mib * headroom_memory::MIB)),
+        _ => None,
+    };
+    let state = Arc::new(State {
+        out: Outbox(Arc::new(Mutex::new(Box::new(output)))),
+        loaded: Mutex::new(None),
+        active: Mutex::new(HashMap::new()),
+        faults: FaultState::new(ledger.clone()),
+        ledger,
+        options,
+    });
+    state.out.send(&FromWorker::Hello {
+        protocol: PROTOCOL_VERSION,
+        device: state.options.device.label(),
+        simulated: state.options.device == DeviceKind::Sim,
+        pid: std::process::id(),
+    });
+    if state.options.memory_sample_ms > 0 {
+        let sampler = state.clone();
+        std::thread::spawn(move || loop {
+            std::thread::sleep(Duration::from_millis(sampler.options.memory_sample_ms));
+            sampler.faults.block_if_hung();
+            sampler.out.send(&FromWorker::MemorySample { memory: sampler.memory() });
+        });
+    }
+    let mut input = input;
+    loop {
+        let message: ToWorker = match read_frame(&mut input) {
+            Ok(m) => m,
+            Err(FrameError::Closed) => return 0,
+            Err(e) => {
+                tracing::error!(error = %e, "unreadable frame from the router");
+                return 2;
+            }
+        };
+        // A hung device answers nothing, not even health checks.
+        state.faults.block_if_hung();
+        match message {
+            ToWorker::Load { model_dir } => state.load(Path::new(&model_dir)),
+            ToWorker::Generate(job) => state.start_job(job),
+            ToWorker::Cancel { request_id } => {
+                if let Some(token) = state.active.lock().unwrap().get(&request_id) {
+                    token.cancel();
+                }
+            }
+            ToWorker::Health { nonce } => state.out.send(&FromWorker::HealthOk {
+                nonce,
+                active_requests: state.active.lock().unwrap().len() as u32,
+                memory: state.memory(),
+            }),
+            ToWorker::Probe { canary_bytes } => {
+                let state = state.clone();
+                std::thread::spawn(move || state.probe(canary_bytes));
+            }
+            ToWorker::Fault { fault } => state.set_fault(fault),
+            ToWorker::Shutdown => return 0,
+        }
+    }
+}
+
+impl State {
+    fn failed(&self, request_id: Option<&str>, kind: FailureKind, message: String) {
+        self.out.send(&FromWorker::Failed {
+            request_id: request_id.map(str::to_string),
+            kind,
+            replayable: matches!(kind, FailureKind::Oom | FailureKind::DeviceLost | FailureKind::Busy),
+            message,
+            checkpoint: None,
+        });
+    }
+
+    fn load(&self, dir: &Path) {
+        let started = Instant::now();
+        let bundle = match ModelBundle::open(dir) {
+            Ok(b) => b,
+            Err(e) => return self.failed(None, FailureKind::Invalid, e.to_string()),
+        };
+        let shape = headroom_memory::ModelShape::from_config(&bundle.config);
+        let weights = match &self.ledger {
+            Some(ledger) => {
+                if self.faults.take_oom_next_allocation() {
+                    return self.failed(None, FailureKind::Oom, "simulated out-of-memory loading the weights".into());
+                }
+                match ledger.try_reserve("weights", shape.weights_bytes()) {
+                    Ok(r) => Some(r),
+                    Err(e) => {
+                        return self.failed(None, FailureKind::Oom, format!("the weights do not fit: {e}"))
+                    }
+                }
+            }
+            None => None,
+        };
+        let engine = match self.load_engine(&bundle) {
+            Ok(e) => e,
+            Err((kind, message)) => return self.failed(None, kind, message),
+        };
+        let planner = Planner::new(shape, Calibration::default(), MemoryConfig::default());
+        let context = self.context_limit(&bundle);
+        let loaded = Arc::new(Loaded { bundle, engine, planner, _weights: weights });
+        *self.loaded.lock().unwrap() = Some(loaded.clone());
+        self.out.send(&FromWorker::Ready {
+            bundle_hash: loaded.bundle.hash.clone(),
+            model_name: loaded.bundle.name(),
+            context_tokens: context as u32,
+            max_concurrency: self.options.max_concurrency,
+            load_ms: started.elapsed().as_secs_f64() * 1000.0,
+            memory: self.memory(),
+        });
+        tracing::info!(device = %self.options.device.label(), hash = %loaded.bundle.short_hash(), "model loaded");
+    }
+
+    fn load_engine(&self, bundle: &ModelBundle) -> Result<Engine, (FailureKind, String)> {
+        let loaded = catch_unwind(AssertUnwindSafe(|| -> Result<Engine, headroom_model::Error> {
+            match self.options.device {
+                DeviceKind::Cpu | DeviceKind::Sim => {
+                    Ok(Engine::Cpu(bundle.load(&Default::default(), |_, _| {})?))
+                }
+                #[cfg(feature = "cuda")]
+                DeviceKind::Cuda(index) => {
+                    let device = burn_cuda::CudaDevice::new(index as usize);
+                    Ok(Engine::Cuda(bundle.load(&device, |_, _| {})?, device))
+                }
+                #[cfg(not(feature = "cuda"))]
+                DeviceKind::Cuda(_) => Err(headroom_model::Error::InvalidRequest(
+                    "this build has no CUDA support; rebuild with the `cuda` feature".into(),
+                )),
+            }
+        }));
+        match loaded {
+            Ok(Ok(engine)) => Ok(engine),
+            Ok(Err(e)) => Err((FailureKind::Invalid, e.to_string())),
+            Err(panic) => {
+                let (kind, message) = classify_panic(&panic);
+                self.failed(None, kind, message);
+                self.exit_after_device_fault();
+            }
+        }
+    }
+
+    fn context_limit(&self, bundle: &ModelBundle) -> usize {
+        let model = bundle.config.max_position_embeddings;
+        match self.options.max_context_tokens {
+            Some(limit) => model.min(limit as usize),
+            None => model,
+        }
+    }
+
+    fn set_fault(&self, fault: Fault) {
+        if self.options.device != DeviceKind::Sim {
+            return self.failed(
+                None,
+                FailureKind::Invalid,
+                format!("fault injection exists only on the sim device, not {}", self.options.device.label()),
+            );
+        }
+        if let Fault::Reset { after_tokens: None } = fault {
+            tracing::warn!("simulated device reset: exiting");
+            std::process::exit(RESET_EXIT_CODE);
+        }
+        if let Err(message) = self.faults.set(&fault) {
+            return self.failed(None, FailureKind::Invalid, message);
+        }
+        self.out.send(&FromWorker::FaultSet { fault });
+    }
+
+    fn memory(&self) -> MemoryReading {
+        let loaded = self.loaded.lock().unwrap().clone();
+        let weights_bytes = loaded
+            .as_ref()
+            .map(|l| headroom_memory::ModelShape::from_config(&l.bundle.config).weights_bytes())
+            .unwrap_or(0);
+        let mut reading = MemoryReading {
+            device: self.options.device.label(),
+            simulated: self.options.device == DeviceKind::Sim,
+            weights_bytes,
+            host: headroom_memory::observe::host_memory(),
+            ..Default::default()
+        };
+        match self.options.device {
+            DeviceKind::Sim => {
+                let ledger = self.ledger.as_ref().expect("sim has a ledger");
+                let competing = self.faults.competing_bytes();
+                reading.capacity_bytes = Some(ledger.capacity_bytes());
+                reading.used_bytes = Some(ledger.held_bytes());
+                reading.competing_bytes = competing;
+                reading.reserved_bytes = ledger
+                    .held_bytes()
+                    .saturating_sub(competing)
+                    .saturating_sub(if loaded.is_some() { weights_bytes } else { 0 });
+            }
+            DeviceKind::Cpu => {
+                if let Some(host) = reading.host {
+                    reading.capacity_bytes = Some(host.total_bytes);
+                    reading.used_bytes = Some(host.total_bytes - host.available_bytes);
+                }
+            }
+            DeviceKind::Cuda(index) => {
+                reading.gpu = headroom_memory::observe::gpu_memory(index);
+                if let Some(gpu) = &reading.gpu {
+                    reading.capacity_bytes = Some(gpu.total_bytes);
+                    reading.used_bytes = Some(gpu.used_bytes);
+                }
+                #[cfg(feature = "cuda")]
+                if let Some(Engine::Cuda(_, device)) = loaded.as_ref().map(|l| &l.engine) {
+                    use cubecl::prelude::Runtime;
+                    reading.allocator_bytes = cubecl::cuda::CudaRuntime::client(device)
+                        .memory_usage()
+                        .ok()
+                        .map(|u| u.bytes_in_use);
+                }
+            }
+        }
+        reading
+    }
+
+    fn start_job(self: &Arc<Self>, job: GenerateJob) {
+        let Some(loaded) = self.loaded.lock().unwrap().clone() else {
+            return self.failed(Some(&job.request_id), FailureKind::Internal, "no model is loaded yet".into());
+        };
+        let cancel = CancelToken::new();
+        {
+            let mut active = self.active.lock().unwrap();
+            if active.contains_key(&job.request_id) {
+                return self.failed(
+                    Some(&job.request_id),
+                    FailureKind::Invalid,
+                    format!("request {} is already running here", job.request_id),
+                );
+            }
+            if active.len() >= self.options.max_concurrency as usize {
+                return self.failed(
+                    Some(&job.request_id),
+                    FailureKind::Busy,
+                    format!("this worker runs at most {} requests at once", self.options.max_concurrency),
+                );
+            }
+            active.insert(job.request_id.clone(), cancel.clone());
+        }
+        let state = self.clone();
+        std::thread::spawn(move || {
+            let id = job.request_id.clone();
+            state.run_job(&loaded, job, &cancel);
+            state.active.lock().unwrap().remove(&id);
+        });
+    }
+
+    fn run_job(&self, loaded: &Loaded, job: GenerateJob, cancel: &CancelToken) {
+        let id = job.request_id.as_str();
+        let request = &job.request;
+        let context = self.context_limit(&loaded.bundle);
+        if let Err(e) = headroom_model::generate::check_context(request.prompt_tokens.len(), request.max_tokens, context) {
+            let message = if context < loaded.bundle.config.max_position_embeddings {
+                format!("{e} (this worker's context limit is {context} tokens)")
+            } else {
+                e.to_string()
+            };
+            return self.failed(Some(id), FailureKind::Invalid, message);
+        }
+        // The KV cache and workspace are reserved up front, so an admitted stream never runs out
+        // of (simulated) device memory half way.
+        let _reservation = match &self.ledger {
+            Some(ledger) => {
+                if self.faults.take_oom_next_allocation() {
+                    return self.failed(Some(id), FailureKind::Oom, "simulated out-of-memory allocating the KV cache".into());
+                }
+                let footprint = loaded.planner.footprint(RequestShape {
+                    prompt_tokens: request.prompt_tokens.len() as u64,
+                    max_tokens: request.max_tokens as u64,
+                    prefill_chunk: request.prefill_chunk as u64,
+                });
+                match ledger.try_reserve(id, footprint.request_bytes()) {
+                    Ok(r) => Some(r),
+                    Err(e) => return self.failed(Some(id), FailureKind::Oom, format!("out of memory for the KV cache: {e}")),
+                }
+            }
+            None => None,
+        };
+        let outcome = catch_unwind(AssertUnwindSafe(|| match &loaded.engine {
+            Engine::Cpu(model) => self.stream(model, loaded, id, request, cancel),
+            #[cfg(feature = "cuda")]
+            Engine::Cuda(model, _) => self.stream(model, loaded, id, request, cancel),
+        }));
+        if let Err(panic) = outcome {
+            let (kind, message) = classify_panic(&panic);
+            tracing::error!(request_id = id, ?kind, %message, "generation panicked");
+            self.failed(Some(id), kind, message);
+            if matches!(self.options.device, DeviceKind::Cuda(_)) {
+                self.exit_after_device_fault();
+            }
+        }
+    }
+
+    fn stream<B: Backend>(
+        &self,
+        model: &Llama<B>,
+        loaded: &Loaded,
+        id: &str,
+        request: &GenerateRequest,
+        cancel: &CancelToken,
+    ) {
+        let bundle = &loaded.bundle;
+        let mut session = match Session::start(model, bundle, request, cancel) {
+            Ok(s) => s,
+            Err(e) => return self.failed(Some(id), FailureKind::Invalid, e.to_string()),
+        };
+        let mut oom_after = self.faults.take_oom_after_tokens();
+        let decode_started = Instant::now();
+        let mut index = session.generated().len() as u32;
+        let mut produced = 0u32;
+        loop {
+            let step_started = Instant::now();
+            let next = match session.next(cancel) {
+                Ok(n) => n,
+                Err(e) => return self.failed(Some(id), FailureKind::Internal, e.to_string()),
+            };
+            let Some((token, text)) = next else { break };
+            let eos = session.finished().is_some() && session.generated().last() != Some(&token);
+            self.faults.slow_down(step_started.elapsed());
+            if let Some(n) = oom_after.as_mut() {
+                if *n == 0 {
+                    return self.out.send(&FromWorker::Failed {
+                        request_id: Some(id.to_string()),
+                        kind: FailureKind::Oom,
+                        message: format!("simulated out-of-memory after {produced} tokens"),
+                        replayable: true,
+                        checkpoint: Some(session.checkpoint()),
+                    });
+                }
+                *n -= 1;
+            }
+            self.out.send(&FromWorker::Token {
+                request_id: id.to_string(),
+                index,
+                token,
+                text,
+                eos,
+                rng_word_pos: session.sampler_state().rng_word_pos,
+            });
+            index += 1;
+            produced += 1;
+            match self.faults.after_token() {
+                TokenVerdict::Continue => {}
+                TokenVerdict::Reset => {
+                    tracing::warn!(request_id = id, "simulated device reset mid-request: exiting");
+                    std::process::exit(RESET_EXIT_CODE);
+                }
+            }
+        }
+        let finish_reason = session.finished().unwrap_or(headroom_model::FinishReason::Length);
+        if finish_reason == headroom_model::FinishReason::Cancelled {
+            return self.out.send(&FromWorker::Failed {
+                request_id: Some(id.to_string()),
+                kind: FailureKind::Cancelled,
+                message: "cancelled by the router".into(),
+                replayable: false,
+                checkpoint: Some(session.checkpoint()),
+            });
+        }
+        self.out.send(&FromWorker::Done {
+            request_id: id.to_string(),
+            finish_reason,
+            prompt_tokens: request.prompt_tokens.len() as u32,
+            completion_tokens: session.generated().len() as u32,
+            prefill_ms: session.prefill_ms,
+            decode_ms: decode_started.elapsed().as_secs_f64() * 1000.0,
+            checkpoint: session.checkpoint(),
+        });
+    }
+
+    /// Half-open check: hold a canary allocation on the device and run one token.
+    fn probe(&self, canary_bytes: u64) {
+        let started = Instant::now();
+        let result = self.try_probe(canary_bytes);
+        let probe_ms = started.elapsed().as_secs_f64() * 1000.0;
+        let (ok, message) = match result {
+            Ok(()) => (true, format!("canary of {} held and one token generated", headroom_memory::footprint::human_bytes(canary_bytes))),
+            Err(m) => (false, m),
+        };
+        self.out.send(&FromWorker::ProbeResult { ok, message, probe_ms });
+    }
+
+    fn try_probe(&self, canary_bytes: u64) -> Result<(), String> {
+        let loaded = self.loaded.lock().unwrap().clone().ok_or("no model is loaded")?;
+        let _canary = match &self.ledger {
+            Some(ledger) => {
+                if self.faults.take_oom_next_allocation() {
+                    return Err("simulated out-of-memory on the canary allocation".into());
+                }
+                Some(ledger.try_reserve("canary", canary_bytes).map_err(|e| format!("canary allocation failed: {e}"))?)
+            }
+            None => None,
+        };
+        let prompt = loaded.bundle.encode("probe", true).map_err(|e| e.to_string())?;
+        let prompt = if prompt.is_empty() { vec![0] } else { prompt };
+        let request = GenerateRequest::new(prompt, 1, Default::default());
+        let cancel = CancelToken::new();
+        let outcome = catch_unwind(AssertUnwindSafe(|| match &loaded.engine {
+            Engine::Cpu(model) => {
+                let _canary = vec![0u8; canary_bytes.min(64 << 20) as usize];
+                headroom_model::generate(model, &loaded.bundle, &request, &cancel, |_| {}).map(|_| ())
+            }
+            #[cfg(feature = "cuda")]
+            Engine::Cuda(model, device) => {
+                let floats = (canary_bytes / 4).max(1) as usize;
+                let canary = burn::tensor::Tensor::<burn_cuda::Cuda<f32>, 1>::zeros([floats], device);
+                let _ = canary.into_data();
+                headroom_model::generate(model, &loaded.bundle, &request, &cancel, |_| {}).map(|_| ())
+            }
+        }));
+        match outcome {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(panic) => {
+                let (_, message) = classify_panic(&panic);
+                if matches!(self.options.device, DeviceKind::Cuda(_)) {
+                    self.out.send(&FromWorker::ProbeResult { ok: false, message: message.clone(), probe_ms: 0.0 });
+                    self.exit_after_device_fault();
+                }
+                Err(message)
+            }
+        }
+    }
+
+    fn exit_after_device_fault(&self) -> ! {
+        tracing::error!(device = %self.options.device.label(), "device fault: exiting so the router restarts a clean worker");
+        std::process::exit(DEVICE_FAULT_EXIT_CODE);
+    }
+}
+
+/// burn-cuda reports an out-of-memory or a lost device by panicking; the message tells which.
+fn classify_panic(panic: &Box<dyn std::any::Any + Send>) -> (FailureKind, String) {
+    let message = panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "the device panicked without a message".into());
+    let lower = message.to_lowercase();
+    let kind = if lower.contains("out of memory") || lower.contains("outofmemory") || lower.contains("out_of_memory") {
+        FailureKind::Oom
+    } else {
+        FailureKind::DeviceLost
+    };
+    (kind, message)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn panics_are_classified_by_message() {
+        let oom: Box<dyn std::any::Any + Send> = Box::new(String::from("CUDA_ERROR_OUT_OF_MEMORY: out of memory"));
+        assert_eq!(classify_panic(&oom).0, FailureKind::Oom);
+        let lost: Box<dyn std::any::Any + Send> = Box::new("CUDA_ERROR_LAUNCH_FAILED");
+        assert_eq!(classify_panic(&lost).0, FailureKind::DeviceLost);
+    }
+}
