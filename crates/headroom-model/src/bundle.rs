@@ -175,7 +175,6 @@ impl ModelBundle {
             .map_err(|e| Error::Tokenizer(format!("cannot decode tokens: {e}")))
     }
 
-    /// A short id for logs and status: the first 12 hex digits of the hash.
     /// The folder's name (`default` for the embedded model), for status lines and responses.
     pub fn name(&self) -> String {
         self.dir
@@ -184,6 +183,7 @@ impl ModelBundle {
             .unwrap_or_else(|| self.dir.display().to_string())
     }
 
+    /// A short id for logs and status: the first 12 hex digits of the hash.
     pub fn short_hash(&self) -> &str {
         &self.hash[..12]
     }

@@ -83,9 +83,16 @@ pub fn config_100m() -> LlamaConfig {
 pub fn write_random_folder(dir: &Path, config: &LlamaConfig, seed: u64, dtype: StoreDtype) -> Result<()> {
     std::fs::create_dir_all(dir)?;
     let device = Default::default();
-    CpuBackend::seed(&device, seed);
-    let model = init_llama::<CpuBackend>(config, &device);
-    save_llama(&model, &dir.join("model.safetensors"), dtype)?;
+    // The backend's RNG is process-global and burn initialises parameters lazily, on first use:
+    // seeding, initialising and saving (which draws every value) must happen under one lock, or
+    // fixtures written by parallel tests interleave their draws and one seed gives two models.
+    static SEEDED_INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    {
+        let _one_at_a_time = SEEDED_INIT.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        CpuBackend::seed(&device, seed);
+        let model = init_llama::<CpuBackend>(config, &device);
+        save_llama(&model, &dir.join("model.safetensors"), dtype)?;
+    }
     std::fs::write(
         dir.join("config.json"),
         serde_json::to_string_pretty(config).expect("config serialises"),
