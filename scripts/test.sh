@@ -8,4 +8,4 @@ step "install"
 HEADROOM_SKIP_BUILD=1 ./scripts/install.sh
 
 step "rust: unit and integration tests (default members, no CUDA needed)"
-cargo test --workspace
+cargo test
