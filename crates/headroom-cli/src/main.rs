@@ -89,6 +89,15 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Measure this model's activation workspace on the CPU engine and store it in the model
+    /// folder (headroom-calibration.json), where admission reads it.
+    Calibrate {
+        #[arg(long, default_value = "default")]
+        model: String,
+        /// Print the calibration without writing it.
+        #[arg(long)]
+        dry_run: bool,
+    },
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -233,6 +242,7 @@ fn main() -> Result<()> {
                 },
             )
         }
+        Command::Calibrate { model, dry_run } => memory::calibrate_command(&open_bundle(&model)?, dry_run),
         Command::Bench {
             what: BenchCommand::Memory { model, skip_100m, json },
         } => memory::bench_memory(&open_bundle(&model)?, !skip_100m, json.as_deref()),

@@ -7,8 +7,8 @@ use anyhow::{bail, Context, Result};
 use headroom_memory::footprint::human_bytes;
 use headroom_memory::observe::{gpu_memory, host_memory};
 use headroom_memory::{
-    Allowances, Budget, Calibration, CountingAllocator, MemoryConfig, ModelShape, Planner,
-    RequestShape, WorkspaceSample, MIB,
+    planner_for, Allowances, Budget, Calibration, CalibrationEntry, CalibrationFile, CountingAllocator, MemoryConfig,
+    ModelShape, Planner, RequestShape, WorkspaceSample, MIB,
 };
 use headroom_model::{generate, CancelToken, CpuBackend, GenerateRequest, Llama, ModelBundle, SamplingParams};
 
@@ -31,7 +31,9 @@ pub fn plan(bundle: &ModelBundle, mut config: MemoryConfig, args: PlanArgs) -> R
         config.vram_reserve_mib = Some(mib);
     }
     let shape = ModelShape::from_config(&bundle.config);
-    let planner = Planner::new(shape.clone(), Calibration::default(), config.clone());
+    // A GPU plan uses the CUDA calibration when one was measured; a CPU-only plan the CPU one.
+    let backend = if args.vram_total_mib.is_some() || gpu_memory(0).is_some() { "cuda" } else { "cpu" };
+    let (planner, calibration) = planner_for(bundle, backend, config.clone());
     let request = RequestShape {
         prompt_tokens: args.prompt_tokens,
         max_tokens: args.max_tokens,
@@ -82,6 +84,7 @@ pub fn plan(bundle: &ModelBundle, mut config: MemoryConfig, args: PlanArgs) -> R
                 "shape": shape,
                 "request": request,
                 "footprint": footprint,
+                "calibration": calibration,
                 "request_bytes": footprint.request_bytes(),
                 "gpu_budget": gpu,
                 "gpu_available_bytes": gpu.map(|g| g.available_bytes()),
@@ -101,7 +104,12 @@ pub fn plan(bundle: &ModelBundle, mut config: MemoryConfig, args: PlanArgs) -> R
         args.prompt_tokens,
         args.max_tokens
     );
-    println!("workspace  {} (prefill chunk {})", human_bytes(footprint.workspace_bytes), args.prefill_chunk);
+    println!(
+        "workspace  {} (prefill chunk {}; {})",
+        human_bytes(footprint.workspace_bytes),
+        args.prefill_chunk,
+        calibration.source
+    );
     println!("margin     {} ({}%)", human_bytes(footprint.margin_bytes), config.fragmentation_margin_percent);
     println!("request    {}", human_bytes(footprint.request_bytes()));
     match &gpu {
@@ -157,6 +165,14 @@ fn measure_peak(
 /// Measures workspace at a few (chunk, length) points that the accuracy grid does not use, and
 /// fits the calibration factors to them.
 pub fn calibrate(model: &Llama<CpuBackend>, bundle: &ModelBundle, shape: &ModelShape) -> Result<Calibration> {
+    Ok(measure_calibration(model, bundle, shape)?.0)
+}
+
+fn measure_calibration(
+    model: &Llama<CpuBackend>,
+    bundle: &ModelBundle,
+    shape: &ModelShape,
+) -> Result<(Calibration, Vec<WorkspaceSample>)> {
     let context = shape.context as usize;
     let points: Vec<(usize, usize)> = [(24, 24), (40, 160), (96, 96), (200, 200), (72, 400)]
         .into_iter()
@@ -174,7 +190,48 @@ pub fn calibrate(model: &Llama<CpuBackend>, bundle: &ModelBundle, shape: &ModelS
             workspace_bytes: peak - kv - rope,
         });
     }
-    Ok(Calibration::fit(shape, &samples))
+    Ok((Calibration::fit(shape, &samples), samples))
+}
+
+/// `headroom calibrate`: measures the CPU engine's workspace for this model and stores it in the
+/// model folder, where workers and `headroom plan` find it.
+pub fn calibrate_command(bundle: &ModelBundle, dry_run: bool) -> Result<()> {
+    if ALLOCATOR.current_bytes() == 0 {
+        bail!("the counting allocator is not installed in this binary");
+    }
+    let model = bundle.load::<CpuBackend>(&Default::default(), |_, _| {})?;
+    let shape = ModelShape::from_config(&bundle.config);
+    let started = Instant::now();
+    let (calibration, samples) = measure_calibration(&model, bundle, &shape)?;
+    let fit_error_percent = samples
+        .iter()
+        .map(|s| {
+            let predicted = calibration.workspace_bytes(&shape, s.chunk, s.attended) as f64;
+            ((predicted - s.workspace_bytes) / s.workspace_bytes.max(1.0) * 100.0).abs()
+        })
+        .fold(0.0, f64::max);
+    println!(
+        "measured {} points in {:.1} s: {calibration:?}, fit within {fit_error_percent:.1}%",
+        samples.len(),
+        started.elapsed().as_secs_f64()
+    );
+    if dry_run {
+        return Ok(());
+    }
+    let entry = CalibrationEntry {
+        bundle_hash: bundle.hash.clone(),
+        calibration,
+        samples,
+        fit_error_percent,
+        headroom_version: env!("CARGO_PKG_VERSION").to_string(),
+        measured_unix_s: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+    };
+    let path = CalibrationFile::update(&bundle.dir, "cpu", entry).map_err(anyhow::Error::msg)?;
+    println!("wrote the cpu entry of {}", path.display());
+    Ok(())
 }
 
 pub fn accuracy(
@@ -187,14 +244,18 @@ pub fn accuracy(
 ) -> Result<serde_json::Value> {
     let model = bundle.load::<CpuBackend>(&Default::default(), |_, _| {})?;
     let shape = ModelShape::from_config(&bundle.config);
-    let started = Instant::now();
-    let calibration = calibrate(&model, bundle, &shape)?;
-    let calibrate_s = started.elapsed().as_secs_f64();
+    // The stored calibration is what admission uses, so that is what is checked; a model without
+    // one is calibrated here, on points the grid does not use.
+    let stored = headroom_memory::calibration::resolve(&bundle.dir, &bundle.hash, "cpu");
+    let (calibration, source) = if stored.measured {
+        (stored.calibration, stored.source)
+    } else {
+        let started = Instant::now();
+        let fitted = calibrate(&model, bundle, &shape)?;
+        (fitted, format!("fitted now in {:.1} s", started.elapsed().as_secs_f64()))
+    };
     let planner = Planner::new(shape.clone(), calibration, MemoryConfig::default());
-    println!(
-        "\n{label}: {} parameters; calibration {:?} (fitted in {calibrate_s:.1} s)",
-        shape.parameters, calibration
-    );
+    println!("\n{label}: {} parameters; calibration {calibration:?} ({source})", shape.parameters);
     println!("{:>8} {:>10} {:>14} {:>14} {:>8}", "prompt", "max_tok", "predicted", "measured", "error");
     let mut rows = Vec::new();
     let mut worst: f64 = 0.0;
@@ -224,7 +285,7 @@ pub fn accuracy(
         println!("(generation stopped after {cap} tokens per point; the KV cache for prompt + max_tokens is allocated before the first)");
     }
     Ok(serde_json::json!({
-        "model": label, "parameters": shape.parameters, "calibration": calibration,
+        "model": label, "parameters": shape.parameters, "calibration": calibration, "calibration_source": source,
         "prefill_chunk": chunk, "rows": rows, "worst_error_percent": worst, "decode_cap": decode_cap,
     }))
 }

@@ -80,3 +80,40 @@ fn plan_prints_the_breakdown_and_a_decision() {
     assert_eq!(plan["admission"]["decision"], "cpu", "{plan}");
     assert!(plan["admission"]["reason"].as_str().unwrap().contains("more than the GPU can ever hold"));
 }
+
+#[test]
+fn calibrate_stores_a_measured_workspace_that_plan_then_uses() {
+    // A copy of the embedded model without its calibration file.
+    let dir = std::env::temp_dir().join(format!("headroom-cli-calibrate-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let source = headroom_model::bundle::resolve_model_dir("default");
+    for name in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+        std::fs::copy(source.join(name), dir.join(name)).unwrap();
+    }
+    let plan = |dir: &std::path::Path| -> serde_json::Value {
+        let out = headroom()
+            .args(["plan", "--prompt-tokens", "64", "--max-tokens", "64", "--json", "--model"])
+            .arg(dir)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let before = plan(&dir);
+    assert_eq!(before["calibration"]["measured"], false);
+    assert!(before["calibration"]["source"].as_str().unwrap().contains("headroom calibrate"));
+
+    let out = headroom().args(["calibrate", "--model"]).arg(&dir).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(dir.join("headroom-calibration.json").exists());
+    let after = plan(&dir);
+    assert_eq!(after["calibration"]["measured"], true, "{after}");
+    // The CPU engine's measured workspace is what the shipped calibration says it is.
+    let shipped = plan(&source);
+    assert_eq!(shipped["calibration"]["measured"], true, "the embedded model ships a calibration");
+    let measured = after["footprint"]["workspace_bytes"].as_f64().unwrap();
+    let expected = shipped["footprint"]["workspace_bytes"].as_f64().unwrap();
+    assert!((measured - expected).abs() / expected < 0.05, "{measured} vs {expected}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

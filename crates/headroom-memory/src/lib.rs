@@ -3,12 +3,14 @@
 //! admission decision. It never runs models or spawns processes.
 
 pub mod admit;
+pub mod calibration;
 pub mod config;
 pub mod footprint;
 pub mod ledger;
 pub mod observe;
 
 pub use admit::{Admission, Allowances, Budget, Planner};
+pub use calibration::{planner_for, CalibrationEntry, CalibrationFile, ResolvedCalibration};
 pub use config::MemoryConfig;
 pub use footprint::{Calibration, Footprint, ModelShape, RequestShape, WorkspaceSample, GIB, MIB};
 pub use ledger::{Insufficient, Ledger, Reservation};

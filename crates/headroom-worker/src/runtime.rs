@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use burn::tensor::backend::Backend;
-use headroom_memory::{Calibration, Ledger, MemoryConfig, Planner, RequestShape, Reservation};
+use headroom_memory::{Ledger, MemoryConfig, Planner, RequestShape, Reservation};
 use headroom_model::{CancelToken, CpuBackend, GenerateRequest, Llama, ModelBundle, Session};
 
 use crate::protocol::{
@@ -161,7 +161,12 @@ impl State {
             Ok(e) => e,
             Err((kind, message)) => return self.failed(None, kind, message),
         };
-        let planner = Planner::new(shape, Calibration::default(), MemoryConfig::default());
+        let (planner, calibration) = headroom_memory::planner_for(
+            &bundle,
+            headroom_memory::calibration::backend_key(&self.options.device.label()),
+            MemoryConfig::default(),
+        );
+        tracing::info!(source = %calibration.source, "workspace calibration");
         let context = self.context_limit(&bundle);
         let loaded = Arc::new(Loaded { bundle, engine, planner, _weights: weights });
         *self.loaded.lock().unwrap() = Some(loaded.clone());
