@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use headroom_memory::{MemoryConfig, ModelShape, RequestShape, MIB};
 use headroom_model::{GenerateRequest, ModelBundle, SamplingParams};
 use headroom_router::{BreakerState, EventKind, RunOutcome, RunRequest, ServiceEvent, Supervisor, SupervisorConfig, Target};
 use headroom_worker::{DeviceKind, Fault, WorkerOptions};
@@ -58,6 +59,30 @@ async fn wait_for(events: &mut broadcast::Receiver<ServiceEvent>, secs: u64, wha
     })
     .await
     .unwrap_or_else(|_| panic!("no {what} event within {secs} s"))
+}
+
+/// Waits until every named predicate has matched some event, in any order: events raised by
+/// different tasks (the request path and the supervisor) have no fixed order between them.
+async fn wait_for_all(events: &mut broadcast::Receiver<ServiceEvent>, secs: u64, wanted: &[(&str, &dyn Fn(&EventKind) -> bool)]) {
+    let mut seen = vec![false; wanted.len()];
+    tokio::time::timeout(Duration::from_secs(secs), async {
+        while seen.contains(&false) {
+            match events.recv().await {
+                Ok(e) => {
+                    for (i, (_, pred)) in wanted.iter().enumerate() {
+                        seen[i] |= pred(&e.kind);
+                    }
+                }
+                Err(broadcast::error::RecvError::Lagged(_)) => {}
+                Err(e) => panic!("event stream ended: {e}"),
+            }
+        }
+    })
+    .await
+    .unwrap_or_else(|_| {
+        let missing: Vec<&str> = wanted.iter().zip(&seen).filter(|(_, s)| !**s).map(|((name, _), _)| *name).collect();
+        panic!("within {secs} s, no event for: {missing:?}")
+    })
 }
 
 async fn wait_closed(events: &mut broadcast::Receiver<ServiceEvent>) {
@@ -155,8 +180,15 @@ async fn kill_9_of_the_gpu_worker_leaves_the_cpu_worker_and_its_request_alone() 
     assert!(cpu_out.failovers.is_empty());
     assert_eq!(supervisor.cpu_worker().unwrap().pid, cpu_pid, "the CPU worker was never restarted");
 
-    wait_for(&mut events, 10, "worker exited", |k| matches!(k, EventKind::WorkerExited { device, .. } if device == "sim")).await;
-    wait_for(&mut events, 10, "degraded", |k| matches!(k, EventKind::Degraded { degraded: true, .. })).await;
+    wait_for_all(
+        &mut events,
+        10,
+        &[
+            ("worker exited", &|k| matches!(k, EventKind::WorkerExited { device, .. } if device == "sim")),
+            ("degraded", &|k| matches!(k, EventKind::Degraded { degraded: true, .. })),
+        ],
+    )
+    .await;
     wait_closed(&mut events).await;
     let restored = supervisor.gpu_worker().unwrap();
     assert_ne!(restored.pid, gpu_pid, "a new GPU worker process");
@@ -195,7 +227,11 @@ async fn a_hung_gpu_worker_fails_its_health_check_and_is_replaced() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn repeated_ooms_run_the_breaker_through_a_full_cycle() {
-    let supervisor = Supervisor::start(config()).await.unwrap();
+    let mut config = config();
+    // Long enough that the open state is still there when the test looks at it, even on a
+    // loaded 2-core CI machine.
+    config.supervision.breaker.cooldown_ms = 5000;
+    let supervisor = Supervisor::start(config).await.unwrap();
     let mut events = supervisor.subscribe();
     let first_pid = supervisor.gpu_worker().unwrap().pid;
     for i in 0..3 {
@@ -206,17 +242,18 @@ async fn repeated_ooms_run_the_breaker_through_a_full_cycle() {
     let opened = wait_for(&mut events, 5, "breaker open", |k| matches!(k, EventKind::BreakerChanged { to: BreakerState::Open, .. })).await;
     let EventKind::BreakerChanged { reason, .. } = opened.kind else { unreachable!() };
     assert!(reason.contains("3 allocation failures"), "{reason}");
+    wait_for(&mut events, 5, "degraded", |k| matches!(k, EventKind::Degraded { degraded: true, .. })).await;
     let status = supervisor.status();
     assert!(status.degraded, "{status:?}");
     // Open: requests go straight to the CPU, no failover needed, and say why.
     let during = supervisor.run(request("during", 8), Target::Auto, |_| {}).await.unwrap();
-    if supervisor.status().degraded {
-        assert_eq!(during.device, "cpu");
-        assert!(during.failovers.is_empty());
-        assert!(during.degraded);
-    }
-    wait_for(&mut events, 10, "half-open", |k| matches!(k, EventKind::BreakerChanged { to: BreakerState::HalfOpen, .. })).await;
+    assert_eq!(during.device, "cpu");
+    assert!(during.failovers.is_empty());
+    assert!(during.degraded);
+    assert!(during.degraded_reason.as_deref().unwrap_or("").contains("allocation failures"), "{:?}", during.degraded_reason);
+    wait_for(&mut events, 15, "half-open", |k| matches!(k, EventKind::BreakerChanged { to: BreakerState::HalfOpen, .. })).await;
     wait_closed(&mut events).await;
+    wait_for(&mut events, 5, "restored", |k| matches!(k, EventKind::Degraded { degraded: false, .. })).await;
     assert_ne!(supervisor.gpu_worker().unwrap().pid, first_pid, "opened on OOMs: the worker was restarted clean");
     let after = supervisor.run(request("after", 8), Target::Auto, |_| {}).await.unwrap();
     assert_eq!(after.device, "sim");
@@ -224,22 +261,42 @@ async fn repeated_ooms_run_the_breaker_through_a_full_cycle() {
     supervisor.shutdown().await;
 }
 
+/// Bytes the sim worker reserves for `request`, from the same planner it uses.
+fn request_bytes(request: &RunRequest) -> u64 {
+    let bundle = ModelBundle::open(model_dir()).unwrap();
+    let (planner, calibration) = headroom_memory::planner_for(&bundle, "cpu", MemoryConfig::default());
+    assert!(calibration.measured, "the embedded model ships its CPU calibration: {}", calibration.source);
+    let footprint = planner.footprint(RequestShape {
+        prompt_tokens: request.request.prompt_tokens.len() as u64,
+        max_tokens: request.request.max_tokens as u64,
+        prefill_chunk: request.request.prefill_chunk as u64,
+    });
+    footprint.request_bytes()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn competing_workload_makes_the_sim_gpu_refuse_and_the_request_fail_over() {
+    let bundle = ModelBundle::open(model_dir()).unwrap();
+    let weights = ModelShape::from_config(&bundle.config).weights_bytes();
+    let long = request("long", 256);
+    let needed = request_bytes(&long);
+    assert!(needed > MIB, "the competitor is set in whole MiB: the request must need more");
+    // Room for the weights and two such requests; the competitor leaves less than one.
+    let capacity_mib = (weights + 2 * needed).div_ceil(MIB);
+    let competitor_mib = (capacity_mib * MIB - weights - needed) / MIB + 1;
     let mut config = config();
-    config.gpu.as_mut().unwrap().sim_vram_mib = 64;
+    config.gpu.as_mut().unwrap().sim_vram_mib = capacity_mib;
     let supervisor = Supervisor::start(config).await.unwrap();
-    // The default model's weights are 16 MiB; a 47 MiB competitor leaves too little for the KV
-    // cache and workspace of a long request.
-    supervisor.inject_fault(Fault::Compete { mib: 47 }).await.unwrap();
+    supervisor.inject_fault(Fault::Compete { mib: competitor_mib }).await.unwrap();
     let memory = supervisor.gpu_worker().unwrap().health(Duration::from_secs(2)).await.unwrap();
-    assert_eq!(memory.competing_bytes, 47 << 20);
+    assert_eq!(memory.competing_bytes, competitor_mib * MIB);
     assert!(memory.simulated);
-    let long = supervisor.run(request("long", 200), Target::Auto, |_| {}).await.unwrap();
-    assert_eq!(long.device, "cpu");
-    assert!(long.failovers[0].reason.contains("KV cache"), "{:?}", long.failovers);
+    let refused = supervisor.run(long.clone(), Target::Auto, |_| {}).await.unwrap();
+    assert_eq!(refused.device, "cpu");
+    assert!(refused.failovers[0].reason.contains("KV cache"), "{:?}", refused.failovers);
     supervisor.inject_fault(Fault::Clear).await.unwrap();
-    let fits = supervisor.run(request("fits", 200), Target::Auto, |_| {}).await.unwrap();
+    let fits = supervisor.run(RunRequest { request_id: "fits".into(), ..long }, Target::Auto, |_| {}).await.unwrap();
     assert_eq!(fits.device, "sim");
+    assert_eq!(fits.tokens, refused.tokens, "same seed, same tokens on either device");
     supervisor.shutdown().await;
 }
