@@ -53,6 +53,9 @@ pub struct GenerateRequest {
     pub prefill_chunk: usize,
     #[serde(default)]
     pub resume: Option<Checkpoint>,
+    /// Generate exactly max_tokens even past EOS (benchmarks and tests, like vLLM's `ignore_eos`).
+    #[serde(default)]
+    pub ignore_eos: bool,
 }
 
 pub fn default_prefill_chunk() -> usize {
@@ -68,6 +71,7 @@ impl GenerateRequest {
             stop: Vec::new(),
             prefill_chunk: default_prefill_chunk(),
             resume: None,
+            ignore_eos: false,
         }
     }
 }
@@ -124,6 +128,7 @@ pub struct Session<'m, B: Backend> {
     generated: Vec<u32>,
     max_tokens: usize,
     stop: Vec<String>,
+    ignore_eos: bool,
     /// Text of `generated` decoded so far and the part already handed out.
     text: String,
     delivered: usize,
@@ -206,6 +211,7 @@ impl<'m, B: Backend> Session<'m, B> {
             generated,
             max_tokens: request.max_tokens,
             stop: request.stop.clone(),
+            ignore_eos: request.ignore_eos,
             text: String::new(),
             delivered: 0,
             next_logits: None,
@@ -276,7 +282,7 @@ impl<'m, B: Backend> Session<'m, B> {
         let mut logits = self.next_logits.take().expect("logits ready while not finished");
         let context: Vec<u32> = self.prompt.iter().chain(&self.generated).copied().collect();
         let token = self.sampler.sample(&mut logits, &context);
-        if self.bundle.eos_ids.contains(&token) {
+        if !self.ignore_eos && self.bundle.eos_ids.contains(&token) {
             self.finished = Some(FinishReason::Stop);
             // Whatever was held back for a possible stop string is final now.
             let rest = self.text[self.delivered..].to_string();
