@@ -1,16 +1,20 @@
 //! `headroom-router` owns the service core: worker supervision and restart, the circuit breaker,
-//! dispatch with failover from the GPU worker to the warm CPU worker, and service events. (The
-//! journal, admission-driven queues and idempotency arrive with the router-core issue.) It never
-//! parses HTTP or renders UI.
+//! dispatch with failover from the GPU worker to the warm CPU worker, the durable request journal
+//! with idempotency keys, and service events. (Admission-driven queues arrive with the rest of the
+//! router-core issue.) It never parses HTTP or renders UI.
 
 pub mod breaker;
+pub mod dispatch;
 pub mod events;
+pub mod journal;
 pub mod supervisor;
 pub mod worker;
 
 pub use breaker::{Breaker, BreakerConfig, BreakerState, FailureCause};
+pub use dispatch::{Completion, Dispatcher, QueueConfig, QueueStatus, Submission, SubmitError, Ticket};
 pub use events::{EventKind, ServiceEvent};
-pub use supervisor::{DeviceStatus, FailoverRecord, RunOutcome, RunRequest, StreamedToken, SupervisionConfig, Supervisor, SupervisorConfig, Target};
+pub use journal::{Accepted, Journal, JournalError, NewRequest, Recovery, RequestRecord, RequestState, Transition};
+pub use supervisor::{CancelSignal, DeviceStatus, FailoverRecord, RunOutcome, RunRequest, StreamedToken, SupervisionConfig, Supervisor, SupervisorConfig, Target};
 pub use worker::{Worker, WorkerSpec};
 
 #[derive(Debug, thiserror::Error)]
@@ -30,3 +34,13 @@ pub enum Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// One table of a Headroom config file (other tables are ignored; a missing table is the
+/// defaults; unknown keys are errors that name them).
+pub(crate) fn config_table<T: serde::de::DeserializeOwned + Default>(text: &str, name: &str) -> Result<T> {
+    let value: toml::Table = toml::from_str(text).map_err(|e| Error::Invalid(format!("invalid TOML: {e}")))?;
+    match value.get(name) {
+        Some(table) => table.clone().try_into().map_err(|e| Error::Invalid(format!("[{name}]: {e}"))),
+        None => Ok(T::default()),
+    }
+}

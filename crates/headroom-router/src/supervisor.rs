@@ -51,11 +51,7 @@ impl Default for SupervisionConfig {
 impl SupervisionConfig {
     /// Parses the `[supervision]` table of a Headroom config file (other tables are ignored).
     pub fn from_toml(text: &str) -> Result<Self> {
-        let value: toml::Table = toml::from_str(text).map_err(|e| Error::Invalid(format!("invalid TOML: {e}")))?;
-        match value.get("supervision") {
-            Some(table) => table.clone().try_into().map_err(|e| Error::Invalid(format!("[supervision]: {e}"))),
-            None => Ok(Self::default()),
-        }
+        crate::config_table(text, "supervision")
     }
 
     fn health_interval(&self) -> Duration {
@@ -93,7 +89,7 @@ impl SupervisorConfig {
 }
 
 /// A request as the dispatcher runs it.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RunRequest {
     pub request_id: String,
     pub request: GenerateRequest,
@@ -140,6 +136,39 @@ pub struct RunOutcome {
     /// Prefill (and checkpoint replay) time of the attempt that finished.
     pub prefill_ms: f64,
     pub failovers: Vec<FailoverRecord>,
+}
+
+/// A cancellation that can be fired from anywhere (a client disconnect, a cancel endpoint) and
+/// awaited by the request it belongs to. Clones share one signal.
+#[derive(Debug, Clone)]
+pub struct CancelSignal {
+    tx: Arc<tokio::sync::watch::Sender<bool>>,
+}
+
+impl Default for CancelSignal {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl CancelSignal {
+    pub fn new() -> Self {
+        Self { tx: Arc::new(tokio::sync::watch::channel(false).0) }
+    }
+
+    pub fn cancel(&self) {
+        self.tx.send_replace(true);
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        *self.tx.borrow()
+    }
+
+    /// Resolves once cancelled (at once if it already is).
+    pub async fn cancelled(&self) {
+        let mut rx = self.tx.subscribe();
+        let _ = rx.wait_for(|c| *c).await;
+    }
 }
 
 /// Where the dispatcher may send a request.
@@ -318,6 +347,10 @@ impl Supervisor {
             gpu: self.inner.gpu.read().unwrap().as_deref().map(status_of),
             cpu: self.inner.cpu.read().unwrap().as_deref().map(status_of),
         }
+    }
+
+    pub fn config(&self) -> &SupervisorConfig {
+        &self.inner.config
     }
 
     pub fn gpu_worker(&self) -> Option<Arc<Worker>> {
@@ -511,12 +544,22 @@ impl Supervisor {
 
     /// Runs a request: on the GPU while the breaker is closed, failing over to the CPU worker when
     /// the GPU fails. `on_token` sees every token once, in order, whichever device produced it.
-    pub async fn run(
+    pub async fn run(&self, run: RunRequest, target: Target, on_token: impl FnMut(&StreamedToken)) -> Result<RunOutcome> {
+        self.run_cancellable(run, target, &CancelSignal::new(), on_token).await
+    }
+
+    /// [`Supervisor::run`] that stops when `cancel` fires: the worker is told to cancel (which
+    /// frees its reservation) and the call returns [`Error::Cancelled`] at once.
+    pub async fn run_cancellable(
         &self,
         run: RunRequest,
         target: Target,
+        cancel: &CancelSignal,
         mut on_token: impl FnMut(&StreamedToken),
     ) -> Result<RunOutcome> {
+        if cancel.is_cancelled() {
+            return Err(Error::Cancelled);
+        }
         let mut delivered: Vec<u32> = Vec::new();
         let mut delivered_text = String::new();
         let mut rng_word_pos: Option<String> = None;
@@ -550,7 +593,26 @@ impl Supervisor {
                 .generate(GenerateJob { request_id: run.request_id.clone(), request })
                 .await?;
             let failure = loop {
-                let Some(message) = rx.recv().await else {
+                let message = tokio::select! {
+                    message = rx.recv() => message,
+                    _ = cancel.cancelled() => {
+                        if let Err(e) = worker.cancel(&run.request_id).await {
+                            tracing::warn!(request_id = %run.request_id, error = %e, "could not forward a cancel");
+                        }
+                        // The worker checks for cancellation every token; wait for it to let go of
+                        // the request so its slot and reservation are free when we return.
+                        let _ = tokio::time::timeout(Duration::from_secs(5), async {
+                            while let Some(m) = rx.recv().await {
+                                if matches!(m, FromWorker::Done { .. } | FromWorker::Failed { .. }) {
+                                    break;
+                                }
+                            }
+                        })
+                        .await;
+                        return Err(Error::Cancelled);
+                    }
+                };
+                let Some(message) = message else {
                     break (FailureKind::DeviceLost, format!("the {device} worker stopped answering"), true);
                 };
                 match message {

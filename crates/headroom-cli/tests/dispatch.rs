@@ -1,0 +1,203 @@
+//! The request path across real worker processes: journal, admission, bounded queues,
+//! idempotency, cancellation and recovery after a crash.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use headroom_memory::{Allowances, MemoryConfig};
+use headroom_model::{GenerateRequest, ModelBundle, SamplingParams};
+use headroom_router::journal::{NewRequest, TransitionRecord};
+use headroom_router::{
+    Dispatcher, Journal, QueueConfig, RequestState, RunRequest, Submission, SubmitError, Supervisor, SupervisorConfig, Transition,
+};
+use headroom_worker::{DeviceKind, Fault, WorkerOptions};
+
+fn model_dir() -> PathBuf {
+    headroom_model::bundle::resolve_model_dir("default")
+}
+
+fn supervisor_config(with_sim_gpu: bool) -> SupervisorConfig {
+    let sim = with_sim_gpu.then(|| {
+        let mut sim = WorkerOptions::new(DeviceKind::Sim);
+        sim.memory_sample_ms = 0;
+        sim
+    });
+    let mut config = SupervisorConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_headroom")), model_dir(), sim);
+    config.cpu.max_concurrency = 1;
+    config.supervision.health_interval_ms = 200;
+    config
+}
+
+async fn dispatcher(with_sim_gpu: bool, journal: Journal, queues: QueueConfig) -> Dispatcher {
+    let supervisor = Supervisor::start(supervisor_config(with_sim_gpu)).await.unwrap();
+    let bundle = ModelBundle::open(model_dir()).unwrap();
+    let memory = MemoryConfig::default();
+    let (planner, _) = headroom_memory::planner_for(&bundle, "cpu", memory.clone());
+    Dispatcher::start(supervisor, journal, planner, memory, queues).unwrap().0
+}
+
+fn submission(id: &str, body: &str, max_tokens: usize, key: Option<&str>) -> Submission {
+    let bundle = ModelBundle::open(model_dir()).unwrap();
+    let prompt = bundle.encode(body, true).unwrap();
+    let sampling = SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, repetition_penalty: 1.1, seed: 3 };
+    let mut request = GenerateRequest::new(prompt, max_tokens, sampling);
+    // Run every step: no early EOS, so the lengths below are exact.
+    request.ignore_eos = true;
+    Submission {
+        run: RunRequest { request_id: id.into(), request, allow_resume: true },
+        idempotency_key: key.map(str::to_string),
+        body_hash: format!("{body}/{max_tokens}"),
+        stream: false,
+        allow: Allowances::default(),
+    }
+}
+
+fn states(journal: &Journal, id: &str) -> Vec<RequestState> {
+    journal.transitions(id).unwrap().iter().map(|t: &TransitionRecord| t.state).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idempotent_retry_returns_the_stored_completion_and_runs_nothing_twice() {
+    let d = dispatcher(false, Journal::in_memory().unwrap(), QueueConfig::default()).await;
+    let first = d.submit(submission("r1", "And God said", 12, Some("key-1"))).unwrap().finish().await.unwrap();
+    assert!(!first.from_journal);
+    let again = d.submit(submission("r2", "And God said", 12, Some("key-1"))).unwrap().finish().await.unwrap();
+    assert!(again.from_journal);
+    assert_eq!(again.outcome.tokens, first.outcome.tokens);
+    assert_eq!(again.outcome.request_id, "r1");
+    assert!(matches!(d.journal().get("r2"), Err(headroom_router::JournalError::NotFound(_))));
+    assert_eq!(states(d.journal(), "r1").iter().filter(|s| **s == RequestState::Running).count(), 1, "ran once");
+    // Same key, other body: a conflict, and the first request is untouched.
+    let err = d.submit(submission("r3", "Something else", 12, Some("key-1"))).err().unwrap();
+    assert!(matches!(err, SubmitError::Conflict(_)), "{err}");
+    assert_eq!(d.journal().get("r1").unwrap().state, RequestState::Completed);
+    d.supervisor().shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_while_running_attaches_to_the_same_request() {
+    let d = dispatcher(false, Journal::in_memory().unwrap(), QueueConfig::default()).await;
+    let running = d.submit(submission("r1", "In the beginning", 60, Some("k"))).unwrap();
+    let attached = d.submit(submission("r1-retry", "In the beginning", 60, Some("k"))).unwrap();
+    assert_eq!(attached.request_id, "r1");
+    let (a, b) = tokio::join!(running.finish(), attached.finish());
+    assert_eq!(a.unwrap().outcome.tokens, b.unwrap().outcome.tokens);
+    d.supervisor().shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_a_queued_cpu_request_frees_its_place_and_leaves_the_running_one_alone() {
+    let d = dispatcher(false, Journal::in_memory().unwrap(), QueueConfig::default()).await;
+    let mut running = d.submit(submission("long", "And it came to pass", 80, None)).unwrap();
+    assert_eq!(running.device_queue, "cpu");
+    running.next_token().await.expect("the first request started");
+    let queued = d.submit(submission("queued", "And it came to pass", 80, None)).unwrap();
+    assert_eq!(d.queues().iter().find(|q| q.device == "cpu").unwrap().waiting, 1);
+    queued.cancel();
+    assert!(matches!(queued.finish().await, Err(SubmitError::Cancelled)));
+    assert_eq!(d.journal().get("queued").unwrap().state, RequestState::Cancelled);
+    assert_eq!(d.queues().iter().find(|q| q.device == "cpu").unwrap().waiting, 0);
+    let done = running.finish().await.unwrap();
+    assert_eq!(done.outcome.tokens.len(), 80);
+    d.supervisor().shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_goes_away_cancels_its_running_request() {
+    let d = dispatcher(false, Journal::in_memory().unwrap(), QueueConfig::default()).await;
+    let mut ticket = d.submit(submission("gone", "And the LORD spake", 400, None)).unwrap();
+    ticket.next_token().await.unwrap();
+    drop(ticket);
+    let journal = d.journal();
+    let mut state = journal.get("gone").unwrap().state;
+    for _ in 0..100 {
+        if state.is_terminal() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        state = journal.get("gone").unwrap().state;
+    }
+    assert_eq!(state, RequestState::Cancelled);
+    // The CPU worker is free again at once: the next request runs and finishes.
+    let next = d.submit(submission("next", "And the LORD spake", 8, None)).unwrap().finish().await.unwrap();
+    assert_eq!(next.outcome.tokens.len(), 8);
+    d.supervisor().shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_is_bounded_by_the_queue_and_the_excess_is_refused_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let journal = Journal::open(&dir.path().join("journal.sqlite")).unwrap();
+    let queues = QueueConfig { gpu_queue_capacity: 4, cpu_queue_capacity: 4 };
+    let d = dispatcher(false, journal, queues).await;
+    let mut accepted = Vec::new();
+    let mut refused = 0;
+    for i in 0..500 {
+        match d.submit(submission(&format!("flood-{i}"), "Blessed are", 4, None)) {
+            Ok(t) => accepted.push(t),
+            Err(SubmitError::Capacity { reason, retry_after_s, .. }) => {
+                assert!(reason.contains("queue is full"), "{reason}");
+                assert!(retry_after_s.unwrap() >= 1);
+                refused += 1;
+            }
+            Err(e) => panic!("{e}"),
+        }
+        let q = &d.queues()[0];
+        assert!(q.waiting <= q.capacity, "bounded: {q:?}");
+    }
+    // Requests finish while the flood goes on, so more than 5 get in over its course; but never
+    // more than 4 wait at once (checked above), and the excess is refused.
+    assert!(refused > 0 && accepted.len() >= 5, "{} accepted, {refused} refused", accepted.len());
+    assert_eq!(accepted.len() + refused, 500);
+    for t in accepted {
+        assert_eq!(t.finish().await.unwrap().outcome.tokens.len(), 4);
+    }
+    // Every refusal is on record too: none vanished.
+    let counts: std::collections::HashMap<_, _> = d.journal().counts().unwrap().into_iter().collect();
+    assert_eq!(counts.get(&RequestState::Refused).copied().unwrap_or(0), refused as u64);
+    d.supervisor().shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_failure_is_journaled_as_a_replay_on_the_cpu() {
+    let d = dispatcher(true, Journal::in_memory().unwrap(), QueueConfig::default()).await;
+    d.supervisor().inject_fault(Fault::OomNextAllocation).await.unwrap();
+    let done = d.submit(submission("oom", "And God said", 10, None)).unwrap().finish().await.unwrap();
+    assert_eq!(done.outcome.device, "cpu");
+    let steps: Vec<Transition> = d.journal().transitions("oom").unwrap().into_iter().map(|t| t.transition).collect();
+    assert!(matches!(steps[0], Transition::Queued { .. }));
+    assert!(steps.iter().any(|t| matches!(t, Transition::AttemptFailed { device, .. } if device == "sim")), "{steps:?}");
+    assert!(steps.iter().any(|t| matches!(t, Transition::Replayed { to, attempt: 2 } if to == "cpu")), "{steps:?}");
+    assert!(matches!(steps.last(), Some(Transition::Completed { device, .. }) if device == "cpu"));
+    d.supervisor().shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_crash_the_journal_reruns_what_was_accepted_and_unfinished() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("journal.sqlite");
+    let orphan = submission("orphan", "And Jesus answered", 6, Some("orphan-key"));
+    {
+        // What a service killed right after accepting a request leaves behind.
+        let journal = Journal::open(&path).unwrap();
+        let body = serde_json::json!({ "run": orphan.run, "allow": orphan.allow });
+        journal
+            .accept(&NewRequest {
+                id: "orphan".into(),
+                idempotency_key: orphan.idempotency_key.clone(),
+                body_hash: orphan.body_hash.clone(),
+                body,
+                stream: false,
+                allow_resume: true,
+            })
+            .unwrap();
+        journal.record("orphan", &Transition::Running { device: "cpu".into(), attempt: 1 }).unwrap();
+    }
+    let d = dispatcher(false, Journal::open(&path).unwrap(), QueueConfig::default()).await;
+    // The client comes back with its idempotency key and collects the result.
+    let collected = d.submit(orphan).unwrap().finish().await.unwrap();
+    assert_eq!(collected.outcome.tokens.len(), 6);
+    let record = d.journal().get("orphan").unwrap();
+    assert_eq!((record.state, record.attempt), (RequestState::Completed, 2));
+    d.supervisor().shutdown().await;
+}

@@ -1,0 +1,568 @@
+//! The request path: journal → admission → a bounded GPU or CPU queue → the supervisor's run
+//! (with failover) → journal. No accepted request is lost: each is written to the journal before
+//! `submit` returns, every step is appended, and [`Dispatcher::start`] re-runs what a crash left
+//! unfinished.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use headroom_memory::{Admission, Allowances, Budget, Ledger, MemoryConfig, Planner, RequestShape};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, watch, Semaphore};
+
+use crate::journal::{Accepted, Journal, JournalError, NewRequest, Recovery, RequestState, Transition};
+use crate::supervisor::{CancelSignal, RunOutcome, RunRequest, StreamedToken, Supervisor, Target};
+use crate::Error;
+
+/// Queue limits: the `[queues]` table of the config file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct QueueConfig {
+    /// Requests that may wait for the GPU; beyond this, a capacity error.
+    pub gpu_queue_capacity: usize,
+    /// Requests that may wait for the CPU worker.
+    pub cpu_queue_capacity: usize,
+}
+
+impl QueueConfig {
+    /// Parses the `[queues]` table of a Headroom config file.
+    pub fn from_toml(text: &str) -> crate::Result<Self> {
+        crate::config_table(text, "queues")
+    }
+}
+
+impl Default for QueueConfig {
+    fn default() -> Self {
+        Self { gpu_queue_capacity: 64, cpu_queue_capacity: 16 }
+    }
+}
+
+/// What a client submits.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Submission {
+    pub run: RunRequest,
+    pub idempotency_key: Option<String>,
+    /// A hash of the client's body, for idempotency conflicts.
+    pub body_hash: String,
+    pub stream: bool,
+    pub allow: Allowances,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{0}")]
+    Conflict(String),
+    /// Refused for capacity (a full queue, or no device can hold it now).
+    #[error("{reason}")]
+    Capacity { reason: String, retry_after_s: Option<u64>, estimated_delay_ms: Option<u64> },
+    #[error("cancelled")]
+    Cancelled,
+    /// The request ended without a result; `resumable`: the client may retry or resume it.
+    #[error("{reason}")]
+    Failed { reason: String, resumable: bool },
+    #[error("{0}")]
+    Journal(#[from] JournalError),
+}
+
+/// A finished request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Completion {
+    pub outcome: RunOutcome,
+    /// The admission decision's reason (and the device it chose first).
+    pub admission: String,
+    pub queued_ms: f64,
+    /// Served from the journal for a repeated idempotency key: nothing ran again.
+    #[serde(default)]
+    pub from_journal: bool,
+}
+
+/// How a request ended without a result.
+#[derive(Debug, Clone, PartialEq)]
+enum Ended {
+    Cancelled,
+    Failed { reason: String, resumable: bool },
+}
+
+type Finished = Option<Result<Completion, Ended>>;
+
+/// A submitted request: its tokens as they come, and its end. Dropping the ticket of a request
+/// that has not finished cancels it (the client went away).
+pub struct Ticket {
+    pub request_id: String,
+    pub device_queue: String,
+    tokens: mpsc::UnboundedReceiver<StreamedToken>,
+    done: watch::Receiver<Finished>,
+    cancel: Option<CancelSignal>,
+}
+
+impl Ticket {
+    pub async fn next_token(&mut self) -> Option<StreamedToken> {
+        self.tokens.recv().await
+    }
+
+    /// Waits for the end of the request.
+    pub async fn finish(mut self) -> Result<Completion, SubmitError> {
+        let finished = self.done.wait_for(|f| f.is_some()).await.map(|f| f.clone());
+        self.cancel = None;
+        match finished {
+            Ok(Some(Ok(c))) => Ok(c),
+            Ok(Some(Err(Ended::Cancelled))) => Err(SubmitError::Cancelled),
+            Ok(Some(Err(Ended::Failed { reason, resumable }))) => Err(SubmitError::Failed { reason, resumable }),
+            _ => Err(SubmitError::Failed { reason: "the dispatcher stopped".into(), resumable: true }),
+        }
+    }
+
+    pub fn cancel(&self) {
+        if let Some(c) = &self.cancel {
+            c.cancel();
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if self.done.borrow().is_none() {
+            self.cancel();
+        }
+    }
+}
+
+/// One device's queue: a bounded number waiting, the worker's concurrency running.
+struct Lane {
+    device: &'static str,
+    slots: Semaphore,
+    waiting: AtomicUsize,
+    running: AtomicUsize,
+    capacity: usize,
+    concurrency: usize,
+    /// EWMA of measured milliseconds per generated token (prefill included), per request.
+    ms_per_token: Mutex<Option<f64>>,
+    /// max_tokens of every request waiting or running here.
+    tokens_ahead: Mutex<u64>,
+}
+
+impl Lane {
+    fn new(device: &'static str, capacity: usize, concurrency: usize) -> Self {
+        Self {
+            device,
+            slots: Semaphore::new(concurrency.max(1)),
+            waiting: AtomicUsize::new(0),
+            running: AtomicUsize::new(0),
+            capacity,
+            concurrency: concurrency.max(1),
+            ms_per_token: Mutex::new(None),
+            tokens_ahead: Mutex::new(0),
+        }
+    }
+
+    /// Expected wait before a new request starts here, from measured rates; None before any
+    /// request has finished here.
+    fn estimated_delay_ms(&self) -> Option<u64> {
+        let rate = (*self.ms_per_token.lock().unwrap())?;
+        if self.running.load(Ordering::Relaxed) < self.concurrency {
+            return Some(0);
+        }
+        let ahead = *self.tokens_ahead.lock().unwrap() as f64;
+        Some((ahead * rate / self.concurrency as f64).round() as u64)
+    }
+
+    fn observe(&self, ms: f64, tokens: u32) {
+        if tokens == 0 {
+            return;
+        }
+        let sample = ms / tokens as f64;
+        let mut rate = self.ms_per_token.lock().unwrap();
+        *rate = Some(match *rate {
+            Some(r) => 0.8 * r + 0.2 * sample,
+            None => sample,
+        });
+    }
+}
+
+/// Queue depths and delays, for status, metrics and the UI.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct QueueStatus {
+    pub device: String,
+    pub waiting: usize,
+    pub running: usize,
+    pub capacity: usize,
+    pub concurrency: usize,
+    pub estimated_delay_ms: Option<u64>,
+    pub ms_per_token: Option<f64>,
+}
+
+struct Inner {
+    supervisor: Supervisor,
+    journal: Journal,
+    memory: MemoryConfig,
+    planner: Planner,
+    gpu: Lane,
+    cpu: Lane,
+    /// Host RAM held by CPU-path requests, so redirects never exhaust it.
+    host_ledger: Ledger,
+    in_flight: Mutex<HashMap<String, watch::Receiver<Finished>>>,
+}
+
+#[derive(Clone)]
+pub struct Dispatcher {
+    inner: Arc<Inner>,
+}
+
+/// What the journal keeps of a request, to run it again after a restart.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct StoredBody {
+    run: RunRequest,
+    allow: Allowances,
+}
+
+impl Dispatcher {
+    /// Wraps a started supervisor and an opened journal, and re-runs what the journal shows a
+    /// crash left unfinished (its clients collect results by id or idempotency key).
+    pub fn start(supervisor: Supervisor, journal: Journal, planner: Planner, memory: MemoryConfig, queues: QueueConfig) -> Result<(Self, Vec<Recovery>), SubmitError> {
+        let config = supervisor.config();
+        let gpu_concurrency = config.gpu.as_ref().map(|g| g.max_concurrency as usize).unwrap_or(0);
+        let cpu_concurrency = config.cpu.max_concurrency as usize;
+        let host_total = headroom_memory::observe::host_memory().map(|h| h.total_bytes).unwrap_or(0);
+        let inner = Arc::new(Inner {
+            supervisor,
+            journal,
+            planner,
+            gpu: Lane::new("gpu", queues.gpu_queue_capacity, gpu_concurrency),
+            cpu: Lane::new("cpu", queues.cpu_queue_capacity, cpu_concurrency),
+            host_ledger: Ledger::new("host", host_total.saturating_sub(memory.host_reserve_bytes(host_total))),
+            memory,
+            in_flight: Mutex::new(HashMap::new()),
+        });
+        let dispatcher = Self { inner };
+        let recovered = dispatcher.inner.journal.recover()?;
+        for r in &recovered {
+            if let Recovery::Rerun(record) = r {
+                match serde_json::from_value::<StoredBody>(record.body.clone()) {
+                    Ok(body) => {
+                        let sub = Submission {
+                            run: body.run,
+                            idempotency_key: record.idempotency_key.clone(),
+                            body_hash: record.body_hash.clone(),
+                            stream: record.stream,
+                            allow: body.allow,
+                        };
+                        // Nobody holds this ticket: without its cancel, dropping it leaves the
+                        // request running, and its tokens go nowhere.
+                        match dispatcher.launch(sub, record.attempt + 1) {
+                            Ok(mut ticket) => ticket.cancel = None,
+                            // Already journaled as refused; its client sees that by id or key.
+                            Err(e) => tracing::warn!(request_id = %record.id, error = %e, "recovered request refused"),
+                        }
+                    }
+                    Err(e) => {
+                        dispatcher.inner.journal.record(
+                            &record.id,
+                            &Transition::Failed { kind: "internal".into(), detail: format!("cannot re-run after restart: {e}"), resumable: true },
+                        )?;
+                    }
+                }
+            }
+        }
+        Ok((dispatcher, recovered))
+    }
+
+    pub fn supervisor(&self) -> &Supervisor {
+        &self.inner.supervisor
+    }
+
+    pub fn journal(&self) -> &Journal {
+        &self.inner.journal
+    }
+
+    pub fn queues(&self) -> Vec<QueueStatus> {
+        [&self.inner.gpu, &self.inner.cpu]
+            .into_iter()
+            .filter(|l| l.device == "cpu" || self.inner.supervisor.config().gpu.is_some())
+            .map(|l| QueueStatus {
+                device: l.device.to_string(),
+                waiting: l.waiting.load(Ordering::Relaxed),
+                running: l.running.load(Ordering::Relaxed),
+                capacity: l.capacity,
+                concurrency: l.concurrency,
+                estimated_delay_ms: l.estimated_delay_ms(),
+                ms_per_token: *l.ms_per_token.lock().unwrap(),
+            })
+            .collect()
+    }
+
+    /// Accepts a request: journals it, admits it to a queue and starts it. Returns once it is
+    /// durably accepted (or refused); the ticket then streams its tokens and its end.
+    pub fn submit(&self, sub: Submission) -> Result<Ticket, SubmitError> {
+        let body = serde_json::to_value(StoredBody { run: sub.run.clone(), allow: sub.allow })
+            .map_err(|e| SubmitError::Invalid(e.to_string()))?;
+        let accepted = self
+            .inner
+            .journal
+            .accept(&NewRequest {
+                id: sub.run.request_id.clone(),
+                idempotency_key: sub.idempotency_key.clone(),
+                body_hash: sub.body_hash.clone(),
+                body,
+                stream: sub.stream,
+                allow_resume: sub.run.allow_resume,
+            })
+            .map_err(|e| match e {
+                JournalError::KeyConflict { .. } => SubmitError::Conflict(e.to_string()),
+                e => SubmitError::Journal(e),
+            })?;
+        match accepted {
+            Accepted::New => self.launch(sub, 1),
+            Accepted::Existing(record) => {
+                let (_tx, tokens) = mpsc::unbounded_channel();
+                if let Some(done) = self.inner.in_flight.lock().unwrap().get(&record.id).cloned() {
+                    // Attach to the running request; this ticket never cancels it.
+                    return Ok(Ticket { request_id: record.id, device_queue: "attached".into(), tokens, done, cancel: None });
+                }
+                let finished = match record.state {
+                    RequestState::Completed => {
+                        let mut c: Completion = record
+                            .result
+                            .clone()
+                            .and_then(|r| serde_json::from_value(r).ok())
+                            .ok_or_else(|| SubmitError::Failed { reason: "stored result unreadable".into(), resumable: true })?;
+                        c.from_journal = true;
+                        Ok(c)
+                    }
+                    RequestState::Cancelled => Err(Ended::Cancelled),
+                    _ => Err(Ended::Failed {
+                        reason: record.error.clone().unwrap_or_else(|| format!("request {} ended {:?}", record.id, record.state)),
+                        resumable: true,
+                    }),
+                };
+                let (_done_tx, done) = watch::channel(Some(finished));
+                Ok(Ticket { request_id: record.id, device_queue: "journal".into(), tokens, done, cancel: None })
+            }
+        }
+    }
+
+    fn gpu_budget(&self) -> Option<Budget> {
+        let s = &self.inner.supervisor;
+        if s.config().gpu.is_none() || s.status().degraded {
+            return None;
+        }
+        let worker = s.gpu_worker()?;
+        let reading = worker.memory().borrow().clone()?;
+        let total = reading.capacity_bytes?;
+        Some(Budget {
+            total_bytes: total,
+            reserve_bytes: self.inner.memory.vram_reserve_bytes(total),
+            weights_bytes: reading.weights_bytes,
+            held_bytes: reading.reserved_bytes,
+            observed_free_bytes: reading.used_bytes.map(|u| total.saturating_sub(u)),
+        })
+    }
+
+    fn host_budget(&self) -> Budget {
+        let ledger = &self.inner.host_ledger;
+        let available = headroom_memory::observe::host_memory().map(|h| h.available_bytes);
+        Budget {
+            total_bytes: ledger.capacity_bytes(),
+            reserve_bytes: 0,
+            weights_bytes: 0,
+            held_bytes: ledger.held_bytes(),
+            // The host reserve is kept out of the ledger's capacity; live free RAM must also keep it.
+            observed_free_bytes: available.map(|a| {
+                let total = headroom_memory::observe::host_memory().map(|h| h.total_bytes).unwrap_or(a);
+                a.saturating_sub(self.inner.memory.host_reserve_bytes(total))
+            }),
+        }
+    }
+
+    /// Decides where the request goes and starts it there (attempt `attempt`).
+    fn launch(&self, mut sub: Submission, attempt: u32) -> Result<Ticket, SubmitError> {
+        let id = sub.run.request_id.clone();
+        let journal = &self.inner.journal;
+        let shape = RequestShape {
+            prompt_tokens: sub.run.request.prompt_tokens.len() as u64,
+            max_tokens: sub.run.request.max_tokens as u64,
+            prefill_chunk: sub.run.request.prefill_chunk as u64,
+        };
+        let gpu_budget = self.gpu_budget();
+        let gpu_eta = self.inner.gpu.estimated_delay_ms();
+        let admission = self.inner.planner.decide(shape, sub.allow, gpu_budget.as_ref(), &self.host_budget(), |_| gpu_eta);
+        let refuse = |reason: String, retry_after_s: Option<u64>, estimated_delay_ms: Option<u64>| -> SubmitError {
+            if let Err(e) = journal.record(&id, &Transition::Refused { reason: reason.clone() }) {
+                return SubmitError::Journal(e);
+            }
+            SubmitError::Capacity { reason, retry_after_s, estimated_delay_ms }
+        };
+        let on_gpu = match &admission {
+            Admission::Gpu { .. } | Admission::Queue { .. } => true,
+            Admission::Shrink { max_tokens, .. } => {
+                sub.run.request.max_tokens = *max_tokens as usize;
+                true
+            }
+            Admission::Cpu { .. } => false,
+            Admission::Refuse { reason, retry_after_s } => return Err(refuse(reason.clone(), *retry_after_s, gpu_eta)),
+        };
+        let lane = if on_gpu { &self.inner.gpu } else { &self.inner.cpu };
+        // Bounded: a full queue is a capacity error now, never unbounded growth.
+        if lane.waiting.fetch_add(1, Ordering::SeqCst) >= lane.capacity {
+            lane.waiting.fetch_sub(1, Ordering::SeqCst);
+            let delay = lane.estimated_delay_ms();
+            return Err(refuse(
+                format!(
+                    "the {} queue is full ({} waiting){}; retry later",
+                    lane.device,
+                    lane.capacity,
+                    delay.map(|d| format!(", estimated delay {d} ms")).unwrap_or_default()
+                ),
+                Some(delay.map(|d| d.div_ceil(1000)).unwrap_or(1).max(1)),
+                delay,
+            ));
+        }
+        // The CPU path reserves host RAM for the request's footprint for as long as it runs.
+        let host_reservation = if on_gpu {
+            None
+        } else {
+            let bytes = self.inner.planner.footprint(shape).request_bytes();
+            match self.inner.host_ledger.try_reserve(&id, bytes) {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    lane.waiting.fetch_sub(1, Ordering::SeqCst);
+                    return Err(refuse(format!("not enough host RAM for the CPU path: {e}"), Some(5), None));
+                }
+            }
+        };
+        *lane.tokens_ahead.lock().unwrap() += sub.run.request.max_tokens as u64;
+        journal.record(&id, &Transition::Queued { device: lane.device.into() })?;
+
+        let (token_tx, tokens) = mpsc::unbounded_channel();
+        let (done_tx, done) = watch::channel(None);
+        let cancel = CancelSignal::new();
+        self.inner.in_flight.lock().unwrap().insert(id.clone(), done.clone());
+        let this = self.clone();
+        let task_cancel = cancel.clone();
+        let ticket_id = id.clone();
+        let reason = admission.reason().to_string();
+        tokio::spawn(async move {
+            let result = this.execute(sub, attempt, on_gpu, task_cancel, token_tx, reason).await;
+            drop(host_reservation);
+            this.inner.in_flight.lock().unwrap().remove(&id);
+            done_tx.send_replace(Some(result));
+        });
+        Ok(Ticket { request_id: ticket_id, device_queue: lane.device.into(), tokens, done, cancel: Some(cancel) })
+    }
+
+    async fn execute(
+        &self,
+        sub: Submission,
+        attempt: u32,
+        on_gpu: bool,
+        cancel: CancelSignal,
+        tokens: mpsc::UnboundedSender<StreamedToken>,
+        admission: String,
+    ) -> Result<Completion, Ended> {
+        let inner = &self.inner;
+        let id = sub.run.request_id.clone();
+        let lane = if on_gpu { &inner.gpu } else { &inner.cpu };
+        let max_tokens = sub.run.request.max_tokens as u64;
+        let queued_at = Instant::now();
+        let permit = tokio::select! {
+            p = lane.slots.acquire() => p.ok(),
+            _ = cancel.cancelled() => None,
+        };
+        lane.waiting.fetch_sub(1, Ordering::SeqCst);
+        let leave = || *lane.tokens_ahead.lock().unwrap() -= max_tokens;
+        let Some(_permit) = permit else {
+            leave();
+            let _ = inner.journal.record(&id, &Transition::Cancelled { reason: "cancelled while queued".into() });
+            return Err(Ended::Cancelled);
+        };
+        let queued_ms = queued_at.elapsed().as_secs_f64() * 1000.0;
+        lane.running.fetch_add(1, Ordering::SeqCst);
+        let device = if on_gpu { inner.supervisor.config().gpu.as_ref().map(|g| g.device.label()).unwrap_or_default() } else { "cpu".into() };
+        let _ = inner.journal.record(&id, &Transition::Running { device, attempt });
+        let started = Instant::now();
+        let mut first = true;
+        let stream = sub.stream;
+        let journal = &inner.journal;
+        let result = inner
+            .supervisor
+            .run_cancellable(sub.run, if on_gpu { Target::Auto } else { Target::Cpu }, &cancel, |t| {
+                if stream && first {
+                    // From here on a replay from the start would show the client text twice.
+                    let _ = journal.record_delivered(&id, 1);
+                    first = false;
+                }
+                let _ = tokens.send(t.clone());
+            })
+            .await;
+        lane.running.fetch_sub(1, Ordering::SeqCst);
+        leave();
+        match result {
+            Ok(outcome) => {
+                let finishing_lane = if outcome.device == "cpu" { &inner.cpu } else { &inner.gpu };
+                if outcome.failovers.is_empty() {
+                    finishing_lane.observe(started.elapsed().as_secs_f64() * 1000.0, outcome.completion_tokens.max(1));
+                }
+                for (i, f) in outcome.failovers.iter().enumerate() {
+                    let _ = journal.record(&id, &Transition::AttemptFailed { device: f.from.clone(), kind: "failover".into(), detail: f.reason.clone() });
+                    let next = attempt + 1 + i as u32;
+                    let t = if f.resumed_after_tokens > 0 {
+                        Transition::Resumed { to: f.to.clone(), attempt: next, after_tokens: f.resumed_after_tokens }
+                    } else {
+                        Transition::Replayed { to: f.to.clone(), attempt: next }
+                    };
+                    let _ = journal.record(&id, &t);
+                }
+                if stream {
+                    let _ = journal.record_delivered(&id, outcome.tokens.len() as u32);
+                }
+                let completion = Completion { outcome, admission, queued_ms, from_journal: false };
+                let stored = serde_json::to_value(&completion).unwrap_or_default();
+                let _ = journal.record(&id, &Transition::Completed { device: completion.outcome.device.clone(), result: stored });
+                Ok(completion)
+            }
+            Err(Error::Cancelled) => {
+                let _ = journal.record(&id, &Transition::Cancelled { reason: "cancelled while running".into() });
+                Err(Ended::Cancelled)
+            }
+            Err(e) => {
+                let resumable = matches!(e, Error::Interrupted { .. } | Error::Worker(_) | Error::Unavailable(_));
+                let kind = match &e {
+                    Error::Interrupted { .. } => "interrupted",
+                    Error::Invalid(_) => "invalid",
+                    _ => "worker",
+                };
+                let detail = e.to_string();
+                let _ = journal.record(&id, &Transition::Failed { kind: kind.into(), detail: detail.clone(), resumable });
+                Err(Ended::Failed { reason: detail, resumable })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn queue_config_reads_its_table_and_rejects_typos() {
+        let q = QueueConfig::from_toml("[queues]\ncpu_queue_capacity = 3\n").unwrap();
+        assert_eq!((q.gpu_queue_capacity, q.cpu_queue_capacity), (64, 3));
+        assert!(QueueConfig::from_toml("[queues]\ncpu_queue = 3\n").unwrap_err().to_string().contains("cpu_queue"));
+    }
+
+    #[test]
+    fn lane_delay_comes_from_measured_rates_and_the_work_ahead() {
+        let lane = Lane::new("cpu", 4, 1);
+        assert_eq!(lane.estimated_delay_ms(), None, "nothing measured yet");
+        lane.observe(1000.0, 100); // 10 ms a token
+        assert_eq!(lane.estimated_delay_ms(), Some(0), "a free slot: no wait");
+        lane.running.store(1, Ordering::SeqCst);
+        *lane.tokens_ahead.lock().unwrap() = 300;
+        assert_eq!(lane.estimated_delay_ms(), Some(3000));
+        lane.observe(2000.0, 100); // EWMA moves a fifth of the way to 20 ms
+        assert_eq!(lane.estimated_delay_ms(), Some(3600));
+    }
+}
