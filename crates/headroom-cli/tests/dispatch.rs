@@ -201,3 +201,27 @@ async fn after_a_crash_the_journal_reruns_what_was_accepted_and_unfinished() {
     assert_eq!((record.state, record.attempt), (RequestState::Completed, 2));
     d.supervisor().shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_would_outlast_the_client_timeout_is_refused_up_front() {
+    let d = dispatcher(false, Journal::in_memory().unwrap(), QueueConfig::default()).await;
+    // One finished request gives the CPU lane a measured rate.
+    d.submit(submission("warm", "And God said", 16, None)).unwrap().finish().await.unwrap();
+    let cpu = d.queues().into_iter().find(|q| q.device == "cpu").unwrap();
+    assert!(cpu.ms_per_token.unwrap() > 0.0);
+    let mut impatient = submission("impatient", "And God said", 400, None);
+    impatient.allow.max_wait_ms = Some(1);
+    match d.submit(impatient) {
+        Err(SubmitError::Capacity { reason, retry_after_s, .. }) => {
+            assert!(reason.contains("timeout"), "{reason}");
+            assert!(retry_after_s.is_some());
+        }
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("a 400-token CPU request cannot finish within 1 ms"),
+    }
+    assert_eq!(d.journal().get("impatient").unwrap().state, RequestState::Refused);
+    // Without a stated timeout it is accepted.
+    let patient = d.submit(submission("patient", "And God said", 8, None)).unwrap();
+    assert_eq!(patient.finish().await.unwrap().outcome.tokens.len(), 8);
+    d.supervisor().shutdown().await;
+}

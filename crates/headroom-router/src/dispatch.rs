@@ -241,13 +241,13 @@ impl Dispatcher {
         let recovered = dispatcher.inner.journal.recover()?;
         for r in &recovered {
             if let Recovery::Rerun(record) = r {
-                match serde_json::from_value::<StoredBody>(record.body.clone()) {
+                match serde_json::from_value::<StoredBody>(record.request.body.clone()) {
                     Ok(body) => {
                         let sub = Submission {
                             run: body.run,
-                            idempotency_key: record.idempotency_key.clone(),
-                            body_hash: record.body_hash.clone(),
-                            stream: record.stream,
+                            idempotency_key: record.request.idempotency_key.clone(),
+                            body_hash: record.request.body_hash.clone(),
+                            stream: record.request.stream,
                             allow: body.allow,
                         };
                         // Nobody holds this ticket: without its cancel, dropping it leaves the
@@ -255,12 +255,12 @@ impl Dispatcher {
                         match dispatcher.launch(sub, record.attempt + 1) {
                             Ok(mut ticket) => ticket.cancel = None,
                             // Already journaled as refused; its client sees that by id or key.
-                            Err(e) => tracing::warn!(request_id = %record.id, error = %e, "recovered request refused"),
+                            Err(e) => tracing::warn!(request_id = %record.request.id, error = %e, "recovered request refused"),
                         }
                     }
                     Err(e) => {
                         dispatcher.inner.journal.record(
-                            &record.id,
+                            &record.request.id,
                             &Transition::Failed { kind: "internal".into(), detail: format!("cannot re-run after restart: {e}"), resumable: true },
                         )?;
                     }
@@ -318,9 +318,9 @@ impl Dispatcher {
             Accepted::New => self.launch(sub, 1),
             Accepted::Existing(record) => {
                 let (_tx, tokens) = mpsc::unbounded_channel();
-                if let Some(done) = self.inner.in_flight.lock().unwrap().get(&record.id).cloned() {
+                if let Some(done) = self.inner.in_flight.lock().unwrap().get(&record.request.id).cloned() {
                     // Attach to the running request; this ticket never cancels it.
-                    return Ok(Ticket { request_id: record.id, device_queue: "attached".into(), tokens, done, cancel: None });
+                    return Ok(Ticket { request_id: record.request.id, device_queue: "attached".into(), tokens, done, cancel: None });
                 }
                 let finished = match record.state {
                     RequestState::Completed => {
@@ -334,12 +334,12 @@ impl Dispatcher {
                     }
                     RequestState::Cancelled => Err(Ended::Cancelled),
                     _ => Err(Ended::Failed {
-                        reason: record.error.clone().unwrap_or_else(|| format!("request {} ended {:?}", record.id, record.state)),
+                        reason: record.error.clone().unwrap_or_else(|| format!("request {} ended {:?}", record.request.id, record.state)),
                         resumable: true,
                     }),
                 };
                 let (_done_tx, done) = watch::channel(Some(finished));
-                Ok(Ticket { request_id: record.id, device_queue: "journal".into(), tokens, done, cancel: None })
+                Ok(Ticket { request_id: record.request.id, device_queue: "journal".into(), tokens, done, cancel: None })
             }
         }
     }
@@ -405,6 +405,22 @@ impl Dispatcher {
             Admission::Refuse { reason, retry_after_s } => return Err(refuse(reason.clone(), *retry_after_s, gpu_eta)),
         };
         let lane = if on_gpu { &self.inner.gpu } else { &self.inner.cpu };
+        // A client that said how long it waits gets a capacity error now rather than a reply
+        // after it gave up: the expected wait plus generation time, from measured rates.
+        let rate = *lane.ms_per_token.lock().unwrap();
+        if let (Some(limit), Some(rate), Some(delay)) = (sub.allow.max_wait_ms, rate, lane.estimated_delay_ms()) {
+            let expected = delay + (sub.run.request.max_tokens as f64 * rate).round() as u64;
+            if expected > limit {
+                return Err(refuse(
+                    format!(
+                        "expected to take about {expected} ms on the {} ({delay} ms waiting, then {} tokens at {rate:.0} ms each), more than the client's {limit} ms timeout",
+                        lane.device, sub.run.request.max_tokens
+                    ),
+                    Some(delay.div_ceil(1000).max(1)),
+                    Some(delay),
+                ));
+            }
+        }
         // Bounded: a full queue is a capacity error now, never unbounded growth.
         if lane.waiting.fetch_add(1, Ordering::SeqCst) >= lane.capacity {
             lane.waiting.fetch_sub(1, Ordering::SeqCst);

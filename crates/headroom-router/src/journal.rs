@@ -123,7 +123,7 @@ impl Transition {
 }
 
 /// What the router accepts: everything needed to run the request again after a restart.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct NewRequest {
     pub id: String,
     pub idempotency_key: Option<String>,
@@ -135,14 +135,11 @@ pub struct NewRequest {
     pub allow_resume: bool,
 }
 
+/// A journaled request: what was accepted, and where it stands now.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RequestRecord {
-    pub id: String,
-    pub idempotency_key: Option<String>,
-    pub body_hash: String,
-    pub body: serde_json::Value,
-    pub stream: bool,
-    pub allow_resume: bool,
+    #[serde(flatten)]
+    pub request: NewRequest,
     pub state: RequestState,
     pub device: Option<String>,
     pub attempt: u32,
@@ -158,7 +155,7 @@ pub struct RequestRecord {
 impl RequestRecord {
     /// Whether the request can run again from the start without the client seeing anything twice.
     pub fn replayable_from_start(&self, tool_calls_delivered: usize) -> bool {
-        tool_calls_delivered == 0 && (!self.stream || self.delivered_tokens == 0)
+        tool_calls_delivered == 0 && (!self.request.stream || self.delivered_tokens == 0)
     }
 }
 
@@ -276,7 +273,7 @@ impl Journal {
                 .optional()?;
             if let Some(id) = existing {
                 let record = read_record(&tx, &id)?;
-                if record.body_hash != request.body_hash {
+                if record.request.body_hash != request.body_hash {
                     return Err(JournalError::KeyConflict { key: key.clone() });
                 }
                 return Ok(Accepted::Existing(record));
@@ -480,12 +477,7 @@ fn read_record(conn: &Connection, id: &str) -> JournalResult<RequestRecord> {
         .ok_or_else(|| JournalError::NotFound(id.to_string()))?;
     let (id, key, body_hash, body, stream, allow_resume, state, device, attempt, delivered, accepted, updated, result, error) = row;
     Ok(RequestRecord {
-        id,
-        idempotency_key: key,
-        body_hash,
-        body: serde_json::from_str(&body)?,
-        stream,
-        allow_resume,
+        request: NewRequest { id, idempotency_key: key, body_hash, body: serde_json::from_str(&body)?, stream, allow_resume },
         state: RequestState::parse(&state),
         device,
         attempt: attempt as u32,
@@ -541,14 +533,14 @@ mod tests {
         assert_eq!(j.accept(&new("r1", Some("k"), "a", false)).unwrap(), Accepted::New);
         j.record("r1", &Transition::Completed { device: "cpu".into(), result: json!(1) }).unwrap();
         match j.accept(&new("r2", Some("k"), "a", false)).unwrap() {
-            Accepted::Existing(r) => assert_eq!((r.id.as_str(), r.result), ("r1", Some(json!(1)))),
+            Accepted::Existing(r) => assert_eq!((r.request.id.as_str(), r.result), ("r1", Some(json!(1)))),
             other => panic!("{other:?}"),
         }
         let err = j.accept(&new("r3", Some("k"), "b", false)).unwrap_err();
         assert!(matches!(err, JournalError::KeyConflict { .. }));
         assert!(err.to_string().contains("different request body"));
         assert!(matches!(j.get("r2"), Err(JournalError::NotFound(_))), "the retry wrote nothing new");
-        assert_eq!(j.find_by_key("k").unwrap().unwrap().id, "r1");
+        assert_eq!(j.find_by_key("k").unwrap().unwrap().request.id, "r1");
     }
 
     #[test]
@@ -584,7 +576,7 @@ mod tests {
         let rerun: Vec<&str> = recovered
             .iter()
             .filter_map(|r| match r {
-                Recovery::Rerun(rec) => Some(rec.id.as_str()),
+                Recovery::Rerun(rec) => Some(rec.request.id.as_str()),
                 _ => None,
             })
             .collect();
@@ -592,7 +584,7 @@ mod tests {
         let failed: Vec<&str> = recovered
             .iter()
             .filter_map(|r| match r {
-                Recovery::MarkedFailed { record, .. } => Some(record.id.as_str()),
+                Recovery::MarkedFailed { record, .. } => Some(record.request.id.as_str()),
                 _ => None,
             })
             .collect();
