@@ -127,13 +127,7 @@ pub fn run(options: WorkerOptions, input: impl Read, output: impl Write + Send +
 
 impl State {
     fn failed(&self, request_id: Option<&str>, kind: FailureKind, message: String) {
-        self.out.send(&FromWorker::Failed {
-            request_id: request_id.map(str::to_string),
-            kind,
-            replayable: matches!(kind, FailureKind::Oom | FailureKind::DeviceLost | FailureKind::Busy),
-            message,
-            checkpoint: None,
-        });
+        self.out.send(&failure(request_id, kind, message));
     }
 
     fn load(&self, dir: &Path) {
@@ -311,12 +305,20 @@ impl State {
         let state = self.clone();
         std::thread::spawn(move || {
             let id = job.request_id.clone();
-            state.run_job(&loaded, job, &cancel);
+            let (last, device_fault) = state.run_job(&loaded, job, &cancel);
+            // The slot and the reservation are free before the router hears the request ended,
+            // so the next request it sends here is never refused as busy or out of memory.
             state.active.lock().unwrap().remove(&id);
+            state.out.send(&last);
+            if device_fault {
+                state.exit_after_device_fault();
+            }
         });
     }
 
-    fn run_job(&self, loaded: &Loaded, job: GenerateJob, cancel: &CancelToken) {
+    /// Runs one request, streaming its tokens; returns its final frame (done or failed), to be
+    /// sent once its slot is released, and whether the device faulted.
+    fn run_job(&self, loaded: &Loaded, job: GenerateJob, cancel: &CancelToken) -> (FromWorker, bool) {
         let id = job.request_id.as_str();
         let request = &job.request;
         let context = self.context_limit(&loaded.bundle);
@@ -326,14 +328,14 @@ impl State {
             } else {
                 e.to_string()
             };
-            return self.failed(Some(id), FailureKind::Invalid, message);
+            return (failure(Some(id), FailureKind::Invalid, message), false);
         }
         // The KV cache and workspace are reserved up front, so an admitted stream never runs out
         // of (simulated) device memory half way.
         let _reservation = match &self.ledger {
             Some(ledger) => {
                 if self.faults.take_oom_next_allocation() {
-                    return self.failed(Some(id), FailureKind::Oom, "simulated out-of-memory allocating the KV cache".into());
+                    return (failure(Some(id), FailureKind::Oom, "simulated out-of-memory allocating the KV cache".into()), false);
                 }
                 let footprint = loaded.planner.footprint(RequestShape {
                     prompt_tokens: request.prompt_tokens.len() as u64,
@@ -342,7 +344,7 @@ impl State {
                 });
                 match ledger.try_reserve(id, footprint.request_bytes()) {
                     Ok(r) => Some(r),
-                    Err(e) => return self.failed(Some(id), FailureKind::Oom, format!("out of memory for the KV cache: {e}")),
+                    Err(e) => return (failure(Some(id), FailureKind::Oom, format!("out of memory for the KV cache: {e}")), false),
                 }
             }
             None => None,
@@ -352,12 +354,12 @@ impl State {
             #[cfg(feature = "cuda")]
             Engine::Cuda(model, _) => self.stream(model, loaded, id, request, cancel),
         }));
-        if let Err(panic) = outcome {
-            let (kind, message) = classify_panic(&panic);
-            tracing::error!(request_id = id, ?kind, %message, "generation panicked");
-            self.failed(Some(id), kind, message);
-            if matches!(self.options.device, DeviceKind::Cuda(_)) {
-                self.exit_after_device_fault();
+        match outcome {
+            Ok(last) => (last, false),
+            Err(panic) => {
+                let (kind, message) = classify_panic(&panic);
+                tracing::error!(request_id = id, ?kind, %message, "generation panicked");
+                (failure(Some(id), kind, message), matches!(self.options.device, DeviceKind::Cuda(_)))
             }
         }
     }
@@ -369,11 +371,11 @@ impl State {
         id: &str,
         request: &GenerateRequest,
         cancel: &CancelToken,
-    ) {
+    ) -> FromWorker {
         let bundle = &loaded.bundle;
         let mut session = match Session::start(model, bundle, request, cancel) {
             Ok(s) => s,
-            Err(e) => return self.failed(Some(id), FailureKind::Invalid, e.to_string()),
+            Err(e) => return failure(Some(id), FailureKind::Invalid, e.to_string()),
         };
         let mut oom_after = self.faults.take_oom_after_tokens();
         let decode_started = Instant::now();
@@ -383,20 +385,20 @@ impl State {
             let step_started = Instant::now();
             let next = match session.next(cancel) {
                 Ok(n) => n,
-                Err(e) => return self.failed(Some(id), FailureKind::Internal, e.to_string()),
+                Err(e) => return failure(Some(id), FailureKind::Internal, e.to_string()),
             };
             let Some((token, text)) = next else { break };
             let eos = session.finished().is_some() && session.generated().last() != Some(&token);
             self.faults.slow_down(step_started.elapsed());
             if let Some(n) = oom_after.as_mut() {
                 if *n == 0 {
-                    return self.out.send(&FromWorker::Failed {
+                    return FromWorker::Failed {
                         request_id: Some(id.to_string()),
                         kind: FailureKind::Oom,
                         message: format!("simulated out-of-memory after {produced} tokens"),
                         replayable: true,
                         checkpoint: Some(session.checkpoint()),
-                    });
+                    };
                 }
                 *n -= 1;
             }
@@ -420,15 +422,15 @@ impl State {
         }
         let finish_reason = session.finished().unwrap_or(headroom_model::FinishReason::Length);
         if finish_reason == headroom_model::FinishReason::Cancelled {
-            return self.out.send(&FromWorker::Failed {
+            return FromWorker::Failed {
                 request_id: Some(id.to_string()),
                 kind: FailureKind::Cancelled,
                 message: "cancelled by the router".into(),
                 replayable: false,
                 checkpoint: Some(session.checkpoint()),
-            });
+            };
         }
-        self.out.send(&FromWorker::Done {
+        FromWorker::Done {
             request_id: id.to_string(),
             finish_reason,
             prompt_tokens: request.prompt_tokens.len() as u32,
@@ -436,7 +438,7 @@ impl State {
             prefill_ms: session.prefill_ms,
             decode_ms: decode_started.elapsed().as_secs_f64() * 1000.0,
             checkpoint: session.checkpoint(),
-        });
+        }
     }
 
     /// Half-open check: hold a canary allocation on the device and run one token.
@@ -496,6 +498,16 @@ impl State {
     fn exit_after_device_fault(&self) -> ! {
         tracing::error!(device = %self.options.device.label(), "device fault: exiting so the router restarts a clean worker");
         std::process::exit(DEVICE_FAULT_EXIT_CODE);
+    }
+}
+
+fn failure(request_id: Option<&str>, kind: FailureKind, message: String) -> FromWorker {
+    FromWorker::Failed {
+        request_id: request_id.map(str::to_string),
+        kind,
+        replayable: matches!(kind, FailureKind::Oom | FailureKind::DeviceLost | FailureKind::Busy),
+        message,
+        checkpoint: None,
     }
 }
 
