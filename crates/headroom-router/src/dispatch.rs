@@ -319,7 +319,8 @@ impl Dispatcher {
             Accepted::Existing(record) => {
                 let (_tx, tokens) = mpsc::unbounded_channel();
                 if let Some(done) = self.inner.in_flight.lock().unwrap().get(&record.request.id).cloned() {
-                    // Attach to the running request; this ticket never cancels it.
+                    // Attach to the running request: its end, not its token stream (that belongs to
+                    // the first client); this ticket never cancels it.
                     return Ok(Ticket { request_id: record.request.id, device_queue: "attached".into(), tokens, done, cancel: None });
                 }
                 let finished = match record.state {
@@ -363,17 +364,14 @@ impl Dispatcher {
 
     fn host_budget(&self) -> Budget {
         let ledger = &self.inner.host_ledger;
-        let available = headroom_memory::observe::host_memory().map(|h| h.available_bytes);
         Budget {
             total_bytes: ledger.capacity_bytes(),
             reserve_bytes: 0,
             weights_bytes: 0,
             held_bytes: ledger.held_bytes(),
             // The host reserve is kept out of the ledger's capacity; live free RAM must also keep it.
-            observed_free_bytes: available.map(|a| {
-                let total = headroom_memory::observe::host_memory().map(|h| h.total_bytes).unwrap_or(a);
-                a.saturating_sub(self.inner.memory.host_reserve_bytes(total))
-            }),
+            observed_free_bytes: headroom_memory::observe::host_memory()
+                .map(|h| h.available_bytes.saturating_sub(self.inner.memory.host_reserve_bytes(h.total_bytes))),
         }
     }
 
