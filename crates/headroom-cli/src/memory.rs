@@ -32,14 +32,15 @@ pub fn plan(bundle: &ModelBundle, mut config: MemoryConfig, args: PlanArgs) -> R
     }
     let shape = ModelShape::from_config(&bundle.config);
     // A GPU plan uses the CUDA calibration when one was measured; a CPU-only plan the CPU one.
-    let backend = if args.vram_total_mib.is_some() || gpu_memory(0).is_some() { "cuda" } else { "cpu" };
+    let gpu_reading = gpu_memory(0);
+    let backend = if args.vram_total_mib.is_some() || gpu_reading.is_some() { "cuda" } else { "cpu" };
     let (planner, calibration) = planner_for(bundle, backend, config.clone());
     let request = RequestShape {
         prompt_tokens: args.prompt_tokens,
         max_tokens: args.max_tokens,
         prefill_chunk: args.prefill_chunk,
     };
-    let gpu = match (args.vram_total_mib, gpu_memory(0)) {
+    let gpu = match (args.vram_total_mib, gpu_reading) {
         (Some(total_mib), _) => Some(Budget {
             total_bytes: total_mib * MIB,
             reserve_bytes: config.vram_reserve_bytes(total_mib * MIB),
