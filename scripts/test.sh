@@ -6,6 +6,16 @@ step() { printf '\n=== %s ===\n' "$*"; }
 
 step "install"
 HEADROOM_SKIP_BUILD=1 ./scripts/install.sh
+# The end-to-end suites drive a real server with the official openai package and schemathesis.
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/pip install -q --disable-pip-version-check -r tests/python/requirements.txt
 
 step "rust: unit and integration tests (default members, no CUDA needed)"
 cargo test
+
+# `cargo test` built target/debug/headroom (the integration tests run it); the suites below use it.
+step "python: the openai package against headroom serve (chat, stream, stop, seed, idempotency, cancel, capacity, degraded, kill -9)"
+.venv/bin/python -m pytest -q tests/python
+
+step "schemathesis: generated requests against /openapi.json (no 5xx, no panic)"
+./scripts/schemathesis.sh

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 mod failover;
 mod memory;
+mod serve;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
@@ -30,6 +31,9 @@ enum DeviceChoice {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve the OpenAI-compatible API (and the web UI at /) with a GPU worker, a warm CPU
+    /// worker and the request journal.
+    Serve(serve::ServeArgs),
     /// Generate text from a prompt, streaming tokens to stdout.
     Generate {
         /// A Hugging Face model folder, or `default` for the embedded demo model.
@@ -61,6 +65,9 @@ enum Command {
         /// Print timings and token counts to stderr when done.
         #[arg(long)]
         stats: bool,
+        /// Generate max_tokens even past the end-of-sequence token (for benchmarks).
+        #[arg(long)]
+        ignore_eos: bool,
     },
     /// Predict a request's memory and show the admission decision.
     Plan {
@@ -181,6 +188,7 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match Cli::parse().command {
+        Command::Serve(args) => serve::serve(args),
         Command::Generate {
             model,
             prompt,
@@ -194,6 +202,7 @@ fn main() -> Result<()> {
             chat,
             device,
             stats,
+            ignore_eos,
         } => {
             let sampling = SamplingParams {
                 temperature,
@@ -210,6 +219,7 @@ fn main() -> Result<()> {
                 stop,
                 chat,
                 stats,
+                ignore_eos,
             };
             run_generate(args, device)
         }
@@ -287,6 +297,7 @@ struct GenerateArgs {
     stop: Vec<String>,
     chat: bool,
     stats: bool,
+    ignore_eos: bool,
 }
 
 fn open_bundle(model: &str) -> Result<ModelBundle> {
@@ -348,22 +359,14 @@ fn generate_on<B: burn::tensor::backend::Backend>(
     let model: Llama<B> = bundle.load(device, |done, _| bar.set_position(done as u64))?;
     bar.finish_and_clear();
 
-    let prompt = if args.chat {
-        let template = bundle
-            .template
-            .as_ref()
-            .context("--chat: this model has no chat_template in tokenizer_config.json")?;
-        template.render(
-            &[headroom_model::ChatMessage::new("user", &args.prompt)],
-            None,
-            true,
-        )?
+    let prompt_tokens = if args.chat {
+        bundle.chat_prompt(&[headroom_model::ChatMessage::new("user", &args.prompt)], None)?
     } else {
-        args.prompt.clone()
+        bundle.encode(&args.prompt, true)?
     };
-    let prompt_tokens = bundle.encode(&prompt, true)?;
     let mut request = GenerateRequest::new(prompt_tokens, args.max_tokens, args.sampling.clone());
     request.stop = args.stop.clone();
+    request.ignore_eos = args.ignore_eos;
     let cancel = CancelToken::new();
     let mut stdout = std::io::stdout().lock();
     let generation = generate(&model, bundle, &request, &cancel, |event| {

@@ -175,6 +175,18 @@ impl ModelBundle {
             .map_err(|e| Error::Tokenizer(format!("cannot decode tokens: {e}")))
     }
 
+    /// The prompt tokens of a conversation rendered through the chat template, with the
+    /// assistant's turn opened. A template that writes the BOS token itself is not given a
+    /// second one by the tokenizer.
+    pub fn chat_prompt(&self, messages: &[crate::ChatMessage], tools: Option<&serde_json::Value>) -> Result<Vec<u32>> {
+        let template = self.template.as_ref().ok_or_else(|| {
+            Error::Template(format!("{} has no chat_template in tokenizer_config.json; use a plain completion instead", self.name()))
+        })?;
+        let text = template.render(messages, tools, true)?;
+        let writes_bos = !template.bos_token.is_empty() && text.starts_with(&template.bos_token);
+        self.encode(&text, !writes_bos)
+    }
+
     /// The folder's name (`default` for the embedded model), for status lines and responses.
     pub fn name(&self) -> String {
         self.dir

@@ -12,6 +12,8 @@ use headroom_memory::{Admission, Allowances, Budget, Ledger, MemoryConfig, Plann
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch, Semaphore};
 
+use crate::events::EventKind;
+use crate::metrics::{FailoverLabels, Metrics, OutcomeLabels};
 use crate::journal::{Accepted, Journal, JournalError, NewRequest, Recovery, RequestState, Transition};
 use crate::supervisor::{CancelSignal, RunOutcome, RunRequest, StreamedToken, Supervisor, Target};
 use crate::Error;
@@ -93,7 +95,10 @@ type Finished = Option<Result<Completion, Ended>>;
 /// that has not finished cancels it (the client went away).
 pub struct Ticket {
     pub request_id: String,
+    /// gpu or cpu; `attached` (to the same request, running) or `journal` (its stored end).
     pub device_queue: String,
+    /// Why admission chose that queue.
+    pub admission: String,
     tokens: mpsc::UnboundedReceiver<StreamedToken>,
     done: watch::Receiver<Finished>,
     cancel: Option<CancelSignal>,
@@ -131,6 +136,20 @@ impl Drop for Ticket {
     }
 }
 
+/// Measured rates of one lane (one device and the bundle it holds), EWMA.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Rates {
+    prefill_ms_per_token: Option<f64>,
+    decode_ms_per_token: Option<f64>,
+}
+
+fn ewma(current: Option<f64>, sample: f64) -> Option<f64> {
+    Some(match current {
+        Some(r) => 0.8 * r + 0.2 * sample,
+        None => sample,
+    })
+}
+
 /// One device's queue: a bounded number waiting, the worker's concurrency running.
 struct Lane {
     device: &'static str,
@@ -139,10 +158,17 @@ struct Lane {
     running: AtomicUsize,
     capacity: usize,
     concurrency: usize,
-    /// EWMA of measured milliseconds per generated token (prefill included), per request.
-    ms_per_token: Mutex<Option<f64>>,
-    /// max_tokens of every request waiting or running here.
-    tokens_ahead: Mutex<u64>,
+    rates: Mutex<Rates>,
+    /// Prompt and max_tokens of every request waiting or running here.
+    work_ahead: Mutex<WorkAhead>,
+    /// When each waiting request joined, for the oldest age.
+    waiting_since: Mutex<HashMap<String, Instant>>,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct WorkAhead {
+    prompt_tokens: u64,
+    max_tokens: u64,
 }
 
 impl Lane {
@@ -154,32 +180,72 @@ impl Lane {
             running: AtomicUsize::new(0),
             capacity,
             concurrency: concurrency.max(1),
-            ms_per_token: Mutex::new(None),
-            tokens_ahead: Mutex::new(0),
+            rates: Mutex::new(Rates::default()),
+            work_ahead: Mutex::new(WorkAhead::default()),
+            waiting_since: Mutex::new(HashMap::new()),
         }
     }
 
-    /// Expected wait before a new request starts here, from measured rates; None before any
-    /// request has finished here.
+    /// Expected milliseconds to run a request of this shape here, from measured rates; None
+    /// before any request has finished here.
+    fn expected_run_ms(&self, prompt_tokens: u64, max_tokens: u64) -> Option<f64> {
+        let rates = *self.rates.lock().unwrap();
+        let decode = rates.decode_ms_per_token?;
+        Some(prompt_tokens as f64 * rates.prefill_ms_per_token.unwrap_or(0.0) + max_tokens as f64 * decode)
+    }
+
+    /// Expected wait before a new request starts here: the work ahead at measured rates, shared
+    /// by the lane's concurrency; None before any request has finished here.
     fn estimated_delay_ms(&self) -> Option<u64> {
-        let rate = (*self.ms_per_token.lock().unwrap())?;
+        let ahead = *self.work_ahead.lock().unwrap();
+        let work = self.expected_run_ms(ahead.prompt_tokens, ahead.max_tokens)?;
         if self.running.load(Ordering::Relaxed) < self.concurrency {
             return Some(0);
         }
-        let ahead = *self.tokens_ahead.lock().unwrap() as f64;
-        Some((ahead * rate / self.concurrency as f64).round() as u64)
+        Some((work / self.concurrency as f64).round() as u64)
     }
 
-    fn observe(&self, ms: f64, tokens: u32) {
-        if tokens == 0 {
-            return;
+    fn observe(&self, prompt_tokens: u32, prefill_ms: f64, tokens: u32, decode_ms: f64) {
+        let mut rates = self.rates.lock().unwrap();
+        if prompt_tokens > 0 {
+            rates.prefill_ms_per_token = ewma(rates.prefill_ms_per_token, prefill_ms / prompt_tokens as f64);
         }
-        let sample = ms / tokens as f64;
-        let mut rate = self.ms_per_token.lock().unwrap();
-        *rate = Some(match *rate {
-            Some(r) => 0.8 * r + 0.2 * sample,
-            None => sample,
-        });
+        if tokens > 0 {
+            rates.decode_ms_per_token = ewma(rates.decode_ms_per_token, decode_ms / tokens as f64);
+        }
+    }
+
+    fn join(&self, id: &str, prompt_tokens: u64, max_tokens: u64) {
+        let mut ahead = self.work_ahead.lock().unwrap();
+        ahead.prompt_tokens += prompt_tokens;
+        ahead.max_tokens += max_tokens;
+        self.waiting_since.lock().unwrap().insert(id.to_string(), Instant::now());
+    }
+
+    fn leave(&self, prompt_tokens: u64, max_tokens: u64) {
+        let mut ahead = self.work_ahead.lock().unwrap();
+        ahead.prompt_tokens -= prompt_tokens;
+        ahead.max_tokens -= max_tokens;
+    }
+
+    fn oldest_wait_ms(&self) -> u64 {
+        let since = self.waiting_since.lock().unwrap();
+        since.values().map(|t| t.elapsed().as_millis() as u64).max().unwrap_or(0)
+    }
+
+    fn status(&self) -> QueueStatus {
+        let rates = *self.rates.lock().unwrap();
+        QueueStatus {
+            device: self.device.to_string(),
+            waiting: self.waiting.load(Ordering::Relaxed),
+            running: self.running.load(Ordering::Relaxed),
+            capacity: self.capacity,
+            concurrency: self.concurrency,
+            oldest_wait_ms: self.oldest_wait_ms(),
+            estimated_delay_ms: self.estimated_delay_ms(),
+            ms_per_token: rates.decode_ms_per_token,
+            prefill_ms_per_token: rates.prefill_ms_per_token,
+        }
     }
 }
 
@@ -191,8 +257,12 @@ pub struct QueueStatus {
     pub running: usize,
     pub capacity: usize,
     pub concurrency: usize,
+    /// How long the oldest waiting request has waited.
+    pub oldest_wait_ms: u64,
     pub estimated_delay_ms: Option<u64>,
+    /// Measured decode milliseconds per token (EWMA).
     pub ms_per_token: Option<f64>,
+    pub prefill_ms_per_token: Option<f64>,
 }
 
 struct Inner {
@@ -204,7 +274,23 @@ struct Inner {
     cpu: Lane,
     /// Host RAM held by CPU-path requests, so redirects never exhaust it.
     host_ledger: Ledger,
-    in_flight: Mutex<HashMap<String, watch::Receiver<Finished>>>,
+    in_flight: Mutex<HashMap<String, InFlight>>,
+    metrics: Metrics,
+}
+
+/// A request that has been launched and has not ended.
+struct InFlight {
+    done: watch::Receiver<Finished>,
+    cancel: CancelSignal,
+}
+
+/// What cancelling a request by id did.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CancelOutcome {
+    /// It was queued or running; it is being stopped.
+    Cancelled,
+    /// It had already ended in this state.
+    AlreadyEnded(RequestState),
 }
 
 #[derive(Clone)]
@@ -236,6 +322,7 @@ impl Dispatcher {
             host_ledger: Ledger::new("host", host_total.saturating_sub(memory.host_reserve_bytes(host_total))),
             memory,
             in_flight: Mutex::new(HashMap::new()),
+            metrics: Metrics::new(),
         });
         let dispatcher = Self { inner };
         let recovered = dispatcher.inner.journal.recover()?;
@@ -282,16 +369,106 @@ impl Dispatcher {
         [&self.inner.gpu, &self.inner.cpu]
             .into_iter()
             .filter(|l| l.device == "cpu" || self.inner.supervisor.config().gpu.is_some())
-            .map(|l| QueueStatus {
-                device: l.device.to_string(),
-                waiting: l.waiting.load(Ordering::Relaxed),
-                running: l.running.load(Ordering::Relaxed),
-                capacity: l.capacity,
-                concurrency: l.concurrency,
-                estimated_delay_ms: l.estimated_delay_ms(),
-                ms_per_token: *l.ms_per_token.lock().unwrap(),
-            })
+            .map(Lane::status)
             .collect()
+    }
+
+    /// Cancels a queued or running request by id; it frees its place and reservation at once.
+    pub fn cancel(&self, id: &str) -> Result<CancelOutcome, JournalError> {
+        let running = self.inner.in_flight.lock().unwrap().get(id).map(|f| f.cancel.clone());
+        if let Some(cancel) = running {
+            cancel.cancel();
+            return Ok(CancelOutcome::Cancelled);
+        }
+        Ok(CancelOutcome::AlreadyEnded(self.inner.journal.get(id)?.state))
+    }
+
+    /// Requests launched and not yet ended.
+    pub fn in_flight(&self) -> usize {
+        self.inner.in_flight.lock().unwrap().len()
+    }
+
+    /// Ids of the requests launched and not yet ended.
+    pub fn in_flight_ids(&self) -> Vec<String> {
+        self.inner.in_flight.lock().unwrap().keys().cloned().collect()
+    }
+
+    /// Waits until nothing is in flight, or `timeout` passes; returns what is still in flight
+    /// (the journal keeps it, and the next start re-runs it).
+    pub async fn drain(&self, timeout: std::time::Duration) -> usize {
+        let deadline = Instant::now() + timeout;
+        while self.in_flight() > 0 && Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        self.in_flight()
+    }
+
+    /// Service-wide expected wait of a new request: the lane it would most likely use (the GPU
+    /// while the breaker is closed, else the CPU).
+    pub fn estimated_delay_ms(&self) -> Option<u64> {
+        let s = &self.inner.supervisor;
+        if s.config().gpu.is_some() && !s.status().degraded {
+            self.inner.gpu.estimated_delay_ms()
+        } else {
+            self.inner.cpu.estimated_delay_ms()
+        }
+    }
+
+    /// The Prometheus text exposition of the service's metrics, gauges read now.
+    pub fn metrics_text(&self) -> String {
+        let inner = &self.inner;
+        let m = &inner.metrics;
+        let status = inner.supervisor.status();
+        m.breaker_state.set(match status.breaker {
+            crate::BreakerState::Closed => 0,
+            crate::BreakerState::HalfOpen => 1,
+            crate::BreakerState::Open => 2,
+        });
+        m.degraded.set(i64::from(status.degraded));
+        for q in self.queues() {
+            let label = crate::metrics::device(&q.device);
+            m.queue_waiting.get_or_create(&label).set(q.waiting as i64);
+            m.queue_running.get_or_create(&label).set(q.running as i64);
+            m.queue_capacity.get_or_create(&label).set(q.capacity as i64);
+            m.queue_oldest_age_seconds.get_or_create(&label).set(q.oldest_wait_ms as f64 / 1000.0);
+            if let Some(d) = q.estimated_delay_ms {
+                m.estimated_delay_seconds.get_or_create(&label).set(d as f64 / 1000.0);
+            }
+            if let Some(r) = q.ms_per_token {
+                m.decode_ms_per_token.get_or_create(&label).set(r);
+            }
+            if let Some(r) = q.prefill_ms_per_token {
+                m.prefill_ms_per_token.get_or_create(&label).set(r);
+            }
+        }
+        if let Some(reading) = inner.supervisor.gpu_worker().and_then(|w| w.memory().borrow().clone()) {
+            let clamp = |b: u64| b.min(i64::MAX as u64) as i64;
+            m.vram_capacity_bytes.set(clamp(reading.capacity_bytes.unwrap_or(0)));
+            m.vram_used_bytes.set(clamp(reading.used_bytes.unwrap_or(0)));
+            m.vram_predicted_bytes.set(clamp(reading.weights_bytes + reading.reserved_bytes + reading.competing_bytes));
+        }
+        if let Some(host) = headroom_memory::observe::host_memory() {
+            m.host_total_bytes.set(host.total_bytes.min(i64::MAX as u64) as i64);
+            m.host_available_bytes.set(host.available_bytes.min(i64::MAX as u64) as i64);
+        }
+        m.host_reserved_bytes.set(inner.host_ledger.held_bytes().min(i64::MAX as u64) as i64);
+        m.encode()
+    }
+
+    fn count_end(&self, device: &str, outcome: &str) {
+        self.inner.metrics.requests.get_or_create(&OutcomeLabels { device: device.into(), outcome: outcome.into() }).inc();
+    }
+
+    fn queue_changed(&self, lane: &Lane) {
+        let q = lane.status();
+        self.inner.supervisor.emit(EventKind::QueueChanged {
+            device: q.device,
+            waiting: q.waiting as u32,
+            running: q.running as u32,
+            capacity: q.capacity as u32,
+            oldest_wait_ms: q.oldest_wait_ms,
+            estimated_delay_ms: q.estimated_delay_ms,
+        });
     }
 
     /// Accepts a request: journals it, admits it to a queue and starts it. Returns once it is
@@ -318,10 +495,18 @@ impl Dispatcher {
             Accepted::New => self.launch(sub, 1),
             Accepted::Existing(record) => {
                 let (_tx, tokens) = mpsc::unbounded_channel();
-                if let Some(done) = self.inner.in_flight.lock().unwrap().get(&record.request.id).cloned() {
+                let running = self.inner.in_flight.lock().unwrap().get(&record.request.id).map(|f| f.done.clone());
+                if let Some(done) = running {
                     // Attach to the running request: its end, not its token stream (that belongs to
                     // the first client); this ticket never cancels it.
-                    return Ok(Ticket { request_id: record.request.id, device_queue: "attached".into(), tokens, done, cancel: None });
+                    return Ok(Ticket {
+                        request_id: record.request.id,
+                        device_queue: "attached".into(),
+                        admission: "attached to the running request with this Idempotency-Key".into(),
+                        tokens,
+                        done,
+                        cancel: None,
+                    });
                 }
                 let finished = match record.state {
                     RequestState::Completed => {
@@ -340,7 +525,14 @@ impl Dispatcher {
                     }),
                 };
                 let (_done_tx, done) = watch::channel(Some(finished));
-                Ok(Ticket { request_id: record.request.id, device_queue: "journal".into(), tokens, done, cancel: None })
+                Ok(Ticket {
+                    request_id: record.request.id,
+                    device_queue: "journal".into(),
+                    admission: "the stored end of the request with this Idempotency-Key".into(),
+                    tokens,
+                    done,
+                    cancel: None,
+                })
             }
         }
     }
@@ -388,6 +580,7 @@ impl Dispatcher {
         let gpu_eta = self.inner.gpu.estimated_delay_ms();
         let admission = self.inner.planner.decide(shape, sub.allow, gpu_budget.as_ref(), &self.host_budget(), |_| gpu_eta);
         let refuse = |reason: String, retry_after_s: Option<u64>, estimated_delay_ms: Option<u64>| -> SubmitError {
+            self.count_end("none", "refused");
             if let Err(e) = journal.record(&id, &Transition::Refused { reason: reason.clone() }) {
                 return SubmitError::Journal(e);
             }
@@ -405,14 +598,14 @@ impl Dispatcher {
         let lane = if on_gpu { &self.inner.gpu } else { &self.inner.cpu };
         // A client that said how long it waits gets a capacity error now rather than a reply
         // after it gave up: the expected wait plus generation time, from measured rates.
-        let rate = *lane.ms_per_token.lock().unwrap();
-        if let (Some(limit), Some(rate), Some(delay)) = (sub.allow.max_wait_ms, rate, lane.estimated_delay_ms()) {
-            let expected = delay + (sub.run.request.max_tokens as f64 * rate).round() as u64;
+        let run_ms = lane.expected_run_ms(shape.prompt_tokens, shape.max_tokens);
+        if let (Some(limit), Some(run_ms), Some(delay)) = (sub.allow.max_wait_ms, run_ms, lane.estimated_delay_ms()) {
+            let expected = delay + run_ms.round() as u64;
             if expected > limit {
                 return Err(refuse(
                     format!(
-                        "expected to take about {expected} ms on the {} ({delay} ms waiting, then {} tokens at {rate:.0} ms each), more than the client's {limit} ms timeout",
-                        lane.device, sub.run.request.max_tokens
+                        "expected to take about {expected} ms on the {} ({delay} ms waiting, then {run_ms:.0} ms for {} prompt and up to {} new tokens at measured rates), more than the client's {limit} ms timeout",
+                        lane.device, shape.prompt_tokens, shape.max_tokens
                     ),
                     Some(delay.div_ceil(1000).max(1)),
                     Some(delay),
@@ -447,24 +640,27 @@ impl Dispatcher {
                 }
             }
         };
-        *lane.tokens_ahead.lock().unwrap() += sub.run.request.max_tokens as u64;
+        let shape = RequestShape { max_tokens: sub.run.request.max_tokens as u64, ..shape };
+        lane.join(&id, shape.prompt_tokens, shape.max_tokens);
         journal.record(&id, &Transition::Queued { device: lane.device.into() })?;
+        self.queue_changed(lane);
 
         let (token_tx, tokens) = mpsc::unbounded_channel();
         let (done_tx, done) = watch::channel(None);
         let cancel = CancelSignal::new();
-        self.inner.in_flight.lock().unwrap().insert(id.clone(), done.clone());
+        self.inner.in_flight.lock().unwrap().insert(id.clone(), InFlight { done: done.clone(), cancel: cancel.clone() });
         let this = self.clone();
         let task_cancel = cancel.clone();
         let ticket_id = id.clone();
         let reason = admission.reason().to_string();
+        let ticket_admission = reason.clone();
         tokio::spawn(async move {
             let result = this.execute(sub, attempt, on_gpu, task_cancel, token_tx, reason).await;
             drop(host_reservation);
             this.inner.in_flight.lock().unwrap().remove(&id);
             done_tx.send_replace(Some(result));
         });
-        Ok(Ticket { request_id: ticket_id, device_queue: lane.device.into(), tokens, done, cancel: Some(cancel) })
+        Ok(Ticket { request_id: ticket_id, device_queue: lane.device.into(), admission: ticket_admission, tokens, done, cancel: Some(cancel) })
     }
 
     async fn execute(
@@ -480,20 +676,24 @@ impl Dispatcher {
         let id = sub.run.request_id.clone();
         let lane = if on_gpu { &inner.gpu } else { &inner.cpu };
         let max_tokens = sub.run.request.max_tokens as u64;
+        let prompt_tokens = sub.run.request.prompt_tokens.len() as u64;
         let queued_at = Instant::now();
         let permit = tokio::select! {
             p = lane.slots.acquire() => p.ok(),
             _ = cancel.cancelled() => None,
         };
         lane.waiting.fetch_sub(1, Ordering::SeqCst);
-        let leave = || *lane.tokens_ahead.lock().unwrap() -= max_tokens;
+        lane.waiting_since.lock().unwrap().remove(&id);
         let Some(_permit) = permit else {
-            leave();
+            lane.leave(prompt_tokens, max_tokens);
             let _ = inner.journal.record(&id, &Transition::Cancelled { reason: "cancelled while queued".into() });
+            self.count_end(lane.device, "cancelled");
+            self.queue_changed(lane);
             return Err(Ended::Cancelled);
         };
         let queued_ms = queued_at.elapsed().as_secs_f64() * 1000.0;
         lane.running.fetch_add(1, Ordering::SeqCst);
+        self.queue_changed(lane);
         let device = if on_gpu { inner.supervisor.config().gpu.as_ref().map(|g| g.device.label()).unwrap_or_default() } else { "cpu".into() };
         let _ = inner.journal.record(&id, &Transition::Running { device, attempt });
         let started = Instant::now();
@@ -512,12 +712,21 @@ impl Dispatcher {
             })
             .await;
         lane.running.fetch_sub(1, Ordering::SeqCst);
-        leave();
+        lane.leave(prompt_tokens, max_tokens);
+        self.queue_changed(lane);
+        let metrics = &inner.metrics;
         match result {
             Ok(outcome) => {
                 let finishing_lane = if outcome.device == "cpu" { &inner.cpu } else { &inner.gpu };
                 if outcome.failovers.is_empty() {
-                    finishing_lane.observe(started.elapsed().as_secs_f64() * 1000.0, outcome.completion_tokens.max(1));
+                    let total_ms = started.elapsed().as_secs_f64() * 1000.0;
+                    finishing_lane.observe(outcome.prompt_tokens, outcome.prefill_ms, outcome.completion_tokens, (total_ms - outcome.prefill_ms).max(0.0));
+                }
+                metrics.requests.get_or_create(&OutcomeLabels { device: outcome.device.clone(), outcome: "completed".into() }).inc();
+                metrics.generated_tokens.get_or_create(&crate::metrics::device(&outcome.device)).inc_by(outcome.completion_tokens as u64);
+                for f in &outcome.failovers {
+                    metrics.failovers.get_or_create(&FailoverLabels { from: f.from.clone(), to: f.to.clone() }).inc();
+                    if f.resumed_after_tokens > 0 { metrics.resumes.inc() } else { metrics.replays.inc() };
                 }
                 for (i, f) in outcome.failovers.iter().enumerate() {
                     let _ = journal.record(&id, &Transition::AttemptFailed { device: f.from.clone(), kind: "failover".into(), detail: f.reason.clone() });
@@ -539,6 +748,7 @@ impl Dispatcher {
             }
             Err(Error::Cancelled) => {
                 let _ = journal.record(&id, &Transition::Cancelled { reason: "cancelled while running".into() });
+                self.count_end(lane.device, "cancelled");
                 Err(Ended::Cancelled)
             }
             Err(e) => {
@@ -550,6 +760,7 @@ impl Dispatcher {
                 };
                 let detail = e.to_string();
                 let _ = journal.record(&id, &Transition::Failed { kind: kind.into(), detail: detail.clone(), resumable });
+                self.count_end(lane.device, "failed");
                 Err(Ended::Failed { reason: detail, resumable })
             }
         }
@@ -571,12 +782,14 @@ mod tests {
     fn lane_delay_comes_from_measured_rates_and_the_work_ahead() {
         let lane = Lane::new("cpu", 4, 1);
         assert_eq!(lane.estimated_delay_ms(), None, "nothing measured yet");
-        lane.observe(1000.0, 100); // 10 ms a token
+        lane.observe(100, 100.0, 100, 1000.0); // 1 ms a prompt token, 10 ms a new token
         assert_eq!(lane.estimated_delay_ms(), Some(0), "a free slot: no wait");
         lane.running.store(1, Ordering::SeqCst);
-        *lane.tokens_ahead.lock().unwrap() = 300;
-        assert_eq!(lane.estimated_delay_ms(), Some(3000));
-        lane.observe(2000.0, 100); // EWMA moves a fifth of the way to 20 ms
-        assert_eq!(lane.estimated_delay_ms(), Some(3600));
+        lane.join("a", 200, 300);
+        assert_eq!(lane.estimated_delay_ms(), Some(200 + 3000));
+        lane.observe(0, 0.0, 100, 2000.0); // decode EWMA moves a fifth of the way to 20 ms
+        assert_eq!(lane.estimated_delay_ms(), Some(200 + 3600));
+        lane.leave(200, 300);
+        assert_eq!(lane.estimated_delay_ms(), Some(0), "nothing ahead");
     }
 }

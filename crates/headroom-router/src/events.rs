@@ -34,4 +34,6 @@ pub enum EventKind {
     HealthCheckFailed { device: String, pid: u32, reason: String },
     Failover { request_id: String, from: String, to: String, reason: String, resumed_after_tokens: u32 },
     MemorySample { reading: MemoryReading },
+    /// A queue's depth changed (a request joined, started or left).
+    QueueChanged { device: String, waiting: u32, running: u32, capacity: u32, oldest_wait_ms: u64, estimated_delay_ms: Option<u64> },
 }

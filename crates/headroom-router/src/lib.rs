@@ -1,17 +1,18 @@
 //! `headroom-router` owns the service core: worker supervision and restart, the circuit breaker,
 //! dispatch with failover from the GPU worker to the warm CPU worker, the durable request journal
-//! with idempotency keys, and service events. (Admission-driven queues arrive with the rest of the
-//! router-core issue.) It never parses HTTP or renders UI.
+//! with idempotency keys, admission-driven bounded queues, service events and Prometheus metrics.
+//! It never parses HTTP or renders UI.
 
 pub mod breaker;
 pub mod dispatch;
 pub mod events;
 pub mod journal;
+mod metrics;
 pub mod supervisor;
 pub mod worker;
 
 pub use breaker::{Breaker, BreakerConfig, BreakerState, FailureCause};
-pub use dispatch::{Completion, Dispatcher, QueueConfig, QueueStatus, Submission, SubmitError, Ticket};
+pub use dispatch::{CancelOutcome, Completion, Dispatcher, QueueConfig, QueueStatus, Submission, SubmitError, Ticket};
 pub use events::{EventKind, ServiceEvent};
 pub use journal::{Accepted, Journal, JournalError, NewRequest, Recovery, RequestRecord, RequestState, Transition};
 pub use supervisor::{CancelSignal, DeviceStatus, FailoverRecord, RunOutcome, RunRequest, StreamedToken, SupervisionConfig, Supervisor, SupervisorConfig, Target};
@@ -37,7 +38,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// One table of a Headroom config file (other tables are ignored; a missing table is the
 /// defaults; unknown keys are errors that name them).
-pub(crate) fn config_table<T: serde::de::DeserializeOwned + Default>(text: &str, name: &str) -> Result<T> {
+pub fn config_table<T: serde::de::DeserializeOwned + Default>(text: &str, name: &str) -> Result<T> {
     let value: toml::Table = toml::from_str(text).map_err(|e| Error::Invalid(format!("invalid TOML: {e}")))?;
     match value.get(name) {
         Some(table) => table.clone().try_into().map_err(|e| Error::Invalid(format!("[{name}]: {e}"))),

@@ -302,8 +302,12 @@ impl Supervisor {
         self.inner.events.subscribe()
     }
 
-    fn emit(&self, kind: EventKind) {
-        tracing::info!(event = ?kind, "service event");
+    pub(crate) fn emit(&self, kind: EventKind) {
+        if matches!(kind, EventKind::QueueChanged { .. } | EventKind::MemorySample { .. }) {
+            tracing::debug!(event = ?kind, "service event");
+        } else {
+            tracing::info!(event = ?kind, "service event");
+        }
         let _ = self.inner.events.send(ServiceEvent::now(kind));
     }
 

@@ -1,0 +1,236 @@
+//! `headroom serve`: starts the workers, the router and the HTTP server, and shuts them down
+//! gracefully (stop accepting, let running requests finish, leave the rest to the journal).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::ValueEnum;
+use headroom_memory::MemoryConfig;
+use headroom_model::bundle::resolve_model_dir;
+use headroom_model::device::{probe_cuda, CudaProbe};
+use headroom_model::ModelBundle;
+use headroom_router::{Dispatcher, Journal, QueueConfig, Recovery, SupervisionConfig, Supervisor, SupervisorConfig};
+use headroom_server::{AppState, Limits, ServerConfig};
+use headroom_worker::{DeviceKind, WorkerOptions};
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum GpuChoice {
+    /// CUDA when a driver answers, otherwise CPU only.
+    Auto,
+    Cuda,
+    /// A simulated GPU (ndarray compute behind a VRAM limit, with fault injection).
+    Sim,
+    None,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ServeArgs {
+    /// Address to bind (default 127.0.0.1). Anything else requires HEADROOM_API_KEY.
+    #[arg(long, env = "HEADROOM_HOST")]
+    pub host: Option<String>,
+    /// Port (default 8080; 0 picks a free one and prints it).
+    #[arg(long, env = "HEADROOM_PORT")]
+    pub port: Option<u16>,
+    /// A Hugging Face model folder, or `default` for the embedded demo model.
+    #[arg(long, env = "HEADROOM_MODEL", default_value = "default")]
+    pub model: String,
+    #[arg(long, value_enum, env = "HEADROOM_GPU", default_value_t = GpuChoice::Auto)]
+    pub gpu: GpuChoice,
+    /// Simulated VRAM of `--gpu sim`.
+    #[arg(long, default_value_t = 2048)]
+    pub sim_vram_mib: u64,
+    /// VRAM kept free for other programs (overrides [memory] vram_reserve_mib).
+    #[arg(long)]
+    pub vram_reserve_mib: Option<u64>,
+    /// A Headroom config file (TOML: [server], [memory], [queues], [supervision]).
+    #[arg(long, env = "HEADROOM_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Where the request journal lives (default $XDG_DATA_HOME/headroom).
+    #[arg(long, env = "HEADROOM_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+}
+
+fn default_data_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("XDG_DATA_HOME").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d).join("headroom");
+    }
+    match std::env::var_os("HOME") {
+        Some(h) => PathBuf::from(h).join(".local/share/headroom"),
+        None => PathBuf::from(".headroom"),
+    }
+}
+
+/// The built web UI of this checkout, if any.
+fn default_ui_dir() -> Option<PathBuf> {
+    std::env::var_os("HEADROOM_UI_DIR")
+        .map(PathBuf::from)
+        .or_else(|| Some(PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../ui/dist"))))
+}
+
+fn gpu_worker(choice: GpuChoice, sim_vram_mib: u64) -> Result<Option<WorkerOptions>> {
+    let cuda = |required: bool| -> Result<Option<WorkerOptions>> {
+        match probe_cuda() {
+            CudaProbe::Available { .. } if cfg!(feature = "cuda") => Ok(Some(WorkerOptions::new(DeviceKind::Cuda(0)))),
+            CudaProbe::Available { .. } if required => bail!("--gpu cuda: this headroom was built without the `cuda` feature; rebuild with default features"),
+            CudaProbe::Unavailable { reason } if required => bail!("--gpu cuda: {reason}; use --gpu auto, sim or none"),
+            CudaProbe::Available { .. } => {
+                eprintln!("headroom: serving from the CPU only: this build has no CUDA support");
+                Ok(None)
+            }
+            CudaProbe::Unavailable { reason } => {
+                eprintln!("headroom: serving from the CPU only: {reason}");
+                Ok(None)
+            }
+        }
+    };
+    match choice {
+        GpuChoice::Auto => cuda(false),
+        GpuChoice::Cuda => cuda(true),
+        GpuChoice::Sim => {
+            let mut sim = WorkerOptions::new(DeviceKind::Sim);
+            sim.sim_vram_mib = sim_vram_mib;
+            Ok(Some(sim))
+        }
+        GpuChoice::None => Ok(None),
+    }
+}
+
+pub fn serve(args: ServeArgs) -> Result<()> {
+    let text = match &args.config {
+        Some(path) => std::fs::read_to_string(path).with_context(|| format!("cannot read config file {}", path.display()))?,
+        None => String::new(),
+    };
+    let in_file = |e: headroom_router::Error| anyhow::anyhow!("{}: {e}", args.config.as_deref().unwrap_or(std::path::Path::new("config")).display());
+    let mut server = ServerConfig::from_toml(&text).map_err(in_file)?;
+    let supervision = SupervisionConfig::from_toml(&text).map_err(in_file)?;
+    let queues = QueueConfig::from_toml(&text).map_err(in_file)?;
+    let mut memory = MemoryConfig::load(args.config.as_deref())?;
+    if let Some(host) = args.host {
+        server.host = host;
+    }
+    if let Some(port) = args.port {
+        server.port = port;
+    }
+    if let Some(mib) = args.vram_reserve_mib {
+        memory.vram_reserve_mib = Some(mib);
+    }
+    memory.validate()?;
+    if server.ui_dir.is_none() {
+        server.ui_dir = default_ui_dir();
+    }
+    let api_key = std::env::var("HEADROOM_API_KEY").ok().filter(|k| !k.is_empty());
+    if !server.is_loopback() && api_key.is_none() {
+        bail!(
+            "--host {} exposes the API beyond this machine: set HEADROOM_API_KEY to a secret (clients then send `Authorization: Bearer <it>`), or bind 127.0.0.1",
+            server.host
+        );
+    }
+    let data_dir = args.data_dir.or(server.data_dir.clone()).unwrap_or_else(default_data_dir);
+    std::fs::create_dir_all(&data_dir).with_context(|| format!("cannot create the data directory {}; pass --data-dir", data_dir.display()))?;
+
+    let model_dir = resolve_model_dir(&args.model);
+    let bundle = ModelBundle::open(&model_dir).with_context(|| format!("cannot open the model folder {}", model_dir.display()))?;
+    let gpu = gpu_worker(args.gpu, args.sim_vram_mib)?;
+    let mut context = bundle.config.max_position_embeddings;
+    let cpu = WorkerOptions::new(DeviceKind::Cpu);
+    if gpu.is_none() {
+        context = context.min(cpu.max_context_tokens.map(|c| c as usize).unwrap_or(usize::MAX));
+    }
+
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(async move {
+        let backend = headroom_memory::calibration::backend_key(&gpu.as_ref().map(|g| g.device.label()).unwrap_or_else(|| "cpu".into()));
+        let mut config = SupervisorConfig::new(std::env::current_exe()?, model_dir.clone(), gpu);
+        config.cpu = cpu;
+        config.cpu_fallback_model_dir = server.cpu_fallback_model.clone();
+        config.supervision = supervision;
+        eprintln!("headroom: starting workers for {} ({})", bundle.name(), bundle.short_hash());
+        let supervisor = Supervisor::start(config).await.context("cannot start the workers")?;
+        let (planner, calibration) = headroom_memory::planner_for(&bundle, backend, memory.clone());
+        if !calibration.measured {
+            eprintln!("headroom: memory estimates use defaults: {}", calibration.source);
+        }
+        let journal_path = data_dir.join("journal.sqlite");
+        let journal = Journal::open(&journal_path)?;
+        let (dispatcher, recovered) = Dispatcher::start(supervisor.clone(), journal, planner, memory, queues)?;
+        let rerun = recovered.iter().filter(|r| matches!(r, Recovery::Rerun(_))).count();
+        if !recovered.is_empty() {
+            eprintln!(
+                "headroom: the journal held {} unfinished requests from the last run: {rerun} re-run, {} marked failed (resumable)",
+                recovered.len(),
+                recovered.len() - rerun
+            );
+        }
+        let model_id = bundle.name();
+        let state = Arc::new(AppState {
+            dispatcher: dispatcher.clone(),
+            limits: Limits { context_tokens: context, default_max_tokens: server.default_max_tokens },
+            bundle: Arc::new(bundle),
+            model_id: model_id.clone(),
+            api_key,
+            sim_faults: args.gpu == GpuChoice::Sim,
+            created_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+        });
+        let app = headroom_server::app(state, &server);
+        let listener = tokio::net::TcpListener::bind((server.host.as_str(), server.port))
+            .await
+            .with_context(|| format!("cannot listen on {}:{}; is another server using the port? pass --port", server.host, server.port))?;
+        let addr = listener.local_addr()?;
+        let status = supervisor.status();
+        let gpu_line = match &status.gpu {
+            Some(g) => format!("GPU worker {} (pid {}{})", g.device, g.pid, if g.simulated { ", simulated" } else { "" }),
+            None if supervisor.config().gpu.is_some() => format!("GPU worker not running ({}); serving from the CPU", status.reason),
+            None => "no GPU worker".into(),
+        };
+        println!("headroom: serving {model_id} at http://{addr} ({gpu_line}; CPU worker warm; journal {})", journal_path.display());
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        let grace = Duration::from_millis(server.shutdown_grace_ms);
+        let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+        let serving = axum::serve(listener, app).with_graceful_shutdown(async move {
+            let _ = stop_rx.wait_for(|stop| *stop).await;
+        });
+        let mut serving = std::pin::pin!(std::future::IntoFuture::into_future(serving));
+        tokio::select! {
+            r = &mut serving => r?,
+            _ = shutdown_signal() => {
+                eprintln!("headroom: shutting down: no new requests; waiting for {} running", dispatcher.in_flight());
+                let _ = stop_tx.send(true);
+                // Connections close as their requests finish; long-lived ones (event streams)
+                // are cut after the grace period.
+                if let Ok(r) = tokio::time::timeout(grace, &mut serving).await {
+                    r?;
+                }
+            }
+        }
+        let left = dispatcher.drain(grace).await;
+        if left > 0 {
+            eprintln!("headroom: {left} requests still running are left in the journal; the next start re-runs them");
+        }
+        supervisor.shutdown().await;
+        Ok(())
+    })
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}

@@ -1,0 +1,263 @@
+//! The HTTP API in process (axum app, no socket) over real worker processes: OpenAI shapes,
+//! streaming, errors, idempotency, cancellation, degraded headers after a sim OOM, auth, metrics.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use headroom_memory::MemoryConfig;
+use headroom_model::ModelBundle;
+use headroom_router::{Dispatcher, Journal, QueueConfig, RequestState, Supervisor, SupervisorConfig};
+use headroom_server::{AppState, Limits, ServerConfig};
+use headroom_worker::{DeviceKind, WorkerOptions};
+use serde_json::{json, Value};
+use tower::ServiceExt;
+
+struct Api {
+    app: axum::Router,
+    dispatcher: Dispatcher,
+}
+
+async fn api(with_sim_gpu: bool, api_key: Option<&str>) -> Api {
+    let model_dir = headroom_model::bundle::resolve_model_dir("default");
+    let sim = with_sim_gpu.then(|| {
+        let mut sim = WorkerOptions::new(DeviceKind::Sim);
+        sim.memory_sample_ms = 0;
+        sim
+    });
+    let mut config = SupervisorConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_headroom")), model_dir.clone(), sim);
+    config.cpu.max_concurrency = 1;
+    config.supervision.health_interval_ms = 200;
+    let supervisor = Supervisor::start(config).await.unwrap();
+    let bundle = ModelBundle::open(&model_dir).unwrap();
+    let memory = MemoryConfig::default();
+    let (planner, _) = headroom_memory::planner_for(&bundle, "cpu", memory.clone());
+    let (dispatcher, _) = Dispatcher::start(supervisor, Journal::in_memory().unwrap(), planner, memory, QueueConfig::default()).unwrap();
+    let state = Arc::new(AppState {
+        dispatcher: dispatcher.clone(),
+        limits: Limits { context_tokens: bundle.config.max_position_embeddings, default_max_tokens: 32 },
+        model_id: bundle.name(),
+        bundle: Arc::new(bundle),
+        api_key: api_key.map(str::to_string),
+        sim_faults: with_sim_gpu,
+        created_unix: 0,
+    });
+    let app = headroom_server::app(state, &ServerConfig::default());
+    Api { app, dispatcher }
+}
+
+struct Reply {
+    status: StatusCode,
+    headers: axum::http::HeaderMap,
+    text: String,
+}
+
+impl Reply {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.text).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text))
+    }
+    fn header(&self, name: &str) -> &str {
+        self.headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or_else(|| panic!("no {name} header"))
+    }
+    /// The `data:` payloads of an SSE body.
+    fn sse_data(&self) -> Vec<String> {
+        self.text.lines().filter_map(|l| l.strip_prefix("data: ").or_else(|| l.strip_prefix("data:"))).map(str::to_string).collect()
+    }
+}
+
+impl Api {
+    async fn call(&self, method: &str, path: &str, headers: &[(&str, &str)], body: Option<String>) -> Reply {
+        let mut req = Request::builder().method(method).uri(path);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let req = req.header("content-type", "application/json").body(body.map(Body::from).unwrap_or_else(Body::empty)).unwrap();
+        let response = self.app.clone().oneshot(req).await.unwrap();
+        let status = response.status();
+        let headers = response.headers().clone();
+        let bytes = axum::body::to_bytes(response.into_body(), 64 << 20).await.unwrap();
+        Reply { status, headers, text: String::from_utf8_lossy(&bytes).into_owned() }
+    }
+
+    async fn chat(&self, body: Value, headers: &[(&str, &str)]) -> Reply {
+        self.call("POST", "/v1/chat/completions", headers, Some(body.to_string())).await
+    }
+
+    async fn stop(self) {
+        self.dispatcher.supervisor().shutdown().await;
+    }
+}
+
+fn chat_body(max_tokens: u32, seed: u64, stream: bool) -> Value {
+    json!({
+        "model": "default",
+        "messages": [{"role": "user", "content": "And God said"}],
+        "max_tokens": max_tokens, "seed": seed, "temperature": 0.8, "stream": stream,
+        "stream_options": {"include_usage": true},
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_streams_in_openai_chunks_and_matches_the_plain_answer() {
+    let api = api(false, None).await;
+    let plain = api.chat(chat_body(16, 7, false), &[]).await;
+    assert_eq!(plain.status, StatusCode::OK, "{}", plain.text);
+    let body = plain.json();
+    assert_eq!(body["object"], "chat.completion");
+    assert_eq!(body["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(body["usage"]["completion_tokens"].as_u64().unwrap() + body["usage"]["prompt_tokens"].as_u64().unwrap(), body["usage"]["total_tokens"].as_u64().unwrap());
+    assert_eq!(plain.header("x-headroom-device"), "cpu");
+    assert_eq!(plain.header("x-headroom-degraded"), "false");
+    let id = plain.header("x-request-id").to_string();
+    assert_eq!(body["headroom"]["request_id"], id.as_str());
+    let record = api.call("GET", &format!("/v1/requests/{id}"), &[], None).await.json();
+    assert_eq!(record["state"], "completed");
+    assert!(record["transitions"].as_array().unwrap().len() >= 3);
+
+    let streamed = api.chat(chat_body(16, 7, true), &[]).await;
+    assert_eq!(streamed.status, StatusCode::OK);
+    assert!(streamed.header("content-type").starts_with("text/event-stream"));
+    let data = streamed.sse_data();
+    assert_eq!(data.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
+    let text: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(text, body["choices"][0]["message"]["content"].as_str().unwrap(), "same seed, same text");
+    let finish = &chunks[chunks.len() - 2];
+    assert!(finish["choices"][0]["finish_reason"].is_string());
+    assert_eq!(finish["headroom"]["device"], "cpu");
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"].as_array().unwrap().len(), 0);
+    assert_eq!(usage["usage"]["completion_tokens"], body["usage"]["completion_tokens"]);
+
+    // Legacy completions, and the metrics those requests left.
+    let c = api.call("POST", "/v1/completions", &[], Some(json!({"model": "default", "prompt": "In the beginning", "max_tokens": 5, "seed": 1}).to_string())).await;
+    assert_eq!(c.status, StatusCode::OK, "{}", c.text);
+    assert_eq!(c.json()["object"], "text_completion");
+    let metrics = api.call("GET", "/metrics", &[], None).await.text;
+    assert!(metrics.contains(r#"headroom_requests_total{device="cpu",outcome="completed"} 3"#), "{metrics}");
+    assert!(metrics.contains("headroom_queue_capacity{device=\"cpu\"} 16"), "{metrics}");
+    api.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_a_4xx_with_an_openai_error_that_says_what_to_fix() {
+    let api = api(false, None).await;
+    let cases: Vec<(String, StatusCode, &str)> = vec![
+        ("{not json".into(), StatusCode::BAD_REQUEST, "invalid request body"),
+        (json!({"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}).to_string(), StatusCode::BAD_REQUEST, "invalid"),
+        (json!({"model": "default", "messages": []}).to_string(), StatusCode::BAD_REQUEST, "messages is empty"),
+        (json!({"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000000000u64}).to_string(), StatusCode::BAD_REQUEST, "context"),
+        (json!({"model": "default", "messages": [{"role": "user", "content": "hi"}], "n": 2}).to_string(), StatusCode::BAD_REQUEST, "n = 2"),
+        (json!({"model": "default", "messages": [{"role": "wizard", "content": "hi"}]}).to_string(), StatusCode::BAD_REQUEST, "role"),
+        (json!({"model": "default", "messages": [{"role": "user", "content": "hi"}], "temperature": 9}).to_string(), StatusCode::BAD_REQUEST, "temperature"),
+        (json!({"model": "/etc/passwd", "messages": [{"role": "user", "content": "hi"}]}).to_string(), StatusCode::NOT_FOUND, "not served here"),
+    ];
+    for (body, status, needle) in cases {
+        let r = api.call("POST", "/v1/chat/completions", &[], Some(body.clone())).await;
+        assert_eq!(r.status, status, "{body}: {}", r.text);
+        let message = r.json()["error"]["message"].as_str().unwrap().to_string();
+        assert!(message.contains(needle), "{body}: {message}");
+        assert!(r.headers.contains_key("x-request-id"));
+    }
+    let r = api.call("GET", "/v1/nothing", &[], None).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert!(r.json()["error"]["message"].is_string());
+    let r = api.call("GET", "/v1/requests/req_unknown", &[], None).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    // Nothing was accepted, so nothing is in the journal.
+    assert!(api.dispatcher.journal().counts().unwrap().is_empty());
+    let spec = api.call("GET", "/openapi.json", &[], None).await.json();
+    assert!(spec["paths"]["/v1/chat/completions"]["post"].is_object());
+    api.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idempotency_key_returns_the_same_completion_and_refuses_another_body() {
+    let api = api(false, None).await;
+    let key = [("idempotency-key", "order-1")];
+    let first = api.chat(chat_body(8, 3, false), &key).await;
+    let again = api.chat(chat_body(8, 3, false), &key).await;
+    assert_eq!(first.status, StatusCode::OK);
+    assert_eq!(again.status, StatusCode::OK);
+    assert_eq!(first.json()["choices"], again.json()["choices"]);
+    assert_eq!(again.json()["headroom"]["from_journal"], true);
+    assert_eq!(again.header("x-request-id"), first.header("x-request-id"));
+    let other = api.chat(chat_body(9, 3, false), &key).await;
+    assert_eq!(other.status, StatusCode::CONFLICT, "{}", other.text);
+    api.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_stream_ends_with_an_error_and_frees_the_worker() {
+    let api = Arc::new(api(false, None).await);
+    let streaming = {
+        let api = api.clone();
+        let mut body = chat_body(900, 1, true);
+        body["ignore_eos"] = json!(true);
+        tokio::spawn(async move { api.chat(body, &[]).await })
+    };
+    // Wait until it runs, then cancel it by id.
+    let journal = api.dispatcher.journal();
+    let mut waited = 0;
+    let id = loop {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        waited += 1;
+        assert!(waited < 1200, "the stream never started");
+        if let Some(id) = api.dispatcher.in_flight_ids().into_iter().find(|id| journal.get(id).unwrap().state == RequestState::Running) {
+            break id;
+        }
+    };
+    let r = api.call("POST", &format!("/v1/requests/{id}/cancel"), &[], None).await;
+    assert_eq!(r.json()["cancelled"], true, "{}", r.text);
+    let streamed = streaming.await.unwrap();
+    let data = streamed.sse_data();
+    assert_eq!(data.last().unwrap(), "[DONE]");
+    assert!(data[data.len() - 2].contains("cancelled"), "{:?}", &data[data.len() - 2]);
+    assert_eq!(journal.get(&id).unwrap().state, RequestState::Cancelled);
+    // The worker is free for the next request.
+    let next = api.chat(chat_body(4, 1, false), &[]).await;
+    assert_eq!(next.status, StatusCode::OK, "{}", next.text);
+    let again = api.call("POST", &format!("/v1/requests/{id}/cancel"), &[], None).await.json();
+    assert_eq!((again["cancelled"].as_bool(), again["state"].as_str()), (Some(false), Some("cancelled")));
+    Arc::try_unwrap(api).ok().unwrap().stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sim_oom_is_served_by_the_cpu_and_every_surface_says_degraded() {
+    let api = api(true, None).await;
+    let healthy = api.chat(chat_body(4, 2, false), &[]).await;
+    assert_eq!(healthy.header("x-headroom-device"), "sim", "{}", healthy.text);
+    let r = api.call("POST", "/admin/sim/fault", &[], Some(json!({"fault": "oom_next_allocation"}).to_string())).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    let failed_over = api.chat(chat_body(4, 2, false), &[]).await;
+    assert_eq!(failed_over.status, StatusCode::OK, "{}", failed_over.text);
+    assert_eq!(failed_over.header("x-headroom-device"), "cpu");
+    assert_eq!(failed_over.header("x-headroom-degraded"), "true");
+    assert!(failed_over.headers.contains_key("x-headroom-degraded-reason"));
+    let body = failed_over.json();
+    assert_eq!(body["headroom"]["failovers"][0]["from"], "sim");
+    assert_eq!(body["choices"], healthy.json()["choices"], "the replay says what the GPU would have");
+    let status = api.call("GET", "/v1/status", &[], None).await.json();
+    assert_eq!(status["workers"][0]["kind"], "gpu");
+    assert_eq!(status["workers"][0]["simulated"], true);
+    assert!(status["breaker"].is_string());
+    let metrics = api.call("GET", "/metrics", &[], None).await.text;
+    assert!(metrics.contains(r#"headroom_failovers_total{from="sim",to="cpu"} 1"#), "{metrics}");
+    api.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_an_api_key_only_the_probes_are_open() {
+    let api = api(false, Some("s3cret")).await;
+    assert_eq!(api.call("GET", "/v1/models", &[], None).await.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(api.call("GET", "/v1/models", &[("authorization", "Bearer wrong")], None).await.status, StatusCode::UNAUTHORIZED);
+    let models = api.call("GET", "/v1/models", &[("authorization", "Bearer s3cret")], None).await;
+    assert_eq!(models.json()["data"][0]["id"], "default");
+    assert_eq!(api.call("GET", "/healthz", &[], None).await.status, StatusCode::OK);
+    assert_eq!(api.call("GET", "/readyz", &[], None).await.status, StatusCode::OK);
+    api.stop().await;
+}

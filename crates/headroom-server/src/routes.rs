@@ -1,0 +1,579 @@
+//! The endpoints. Handlers validate, hand the request to the router and render what it says:
+//! the device that served it and whether that was degraded are on every response.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Json;
+use futures_util::StreamExt;
+use headroom_memory::Allowances;
+use headroom_router::{CancelOutcome, Completion, RunRequest, Submission, Ticket};
+use headroom_worker::Fault;
+use serde::Serialize;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::{BroadcastStream, ReceiverStream};
+use utoipa::{OpenApi, ToSchema};
+
+use crate::error::{ApiError, ErrorBody};
+use crate::openai::{self, ChatCompletion, ChatCompletionRequest, CompletionRequest, HeadroomInfo, ModelList, Prepared, TextCompletion, Usage};
+use crate::AppState;
+
+pub const REQUEST_ID: &str = "x-request-id";
+pub const DEVICE: &str = "x-headroom-device";
+pub const DEGRADED: &str = "x-headroom-degraded";
+pub const DEGRADED_REASON: &str = "x-headroom-degraded-reason";
+pub const ESTIMATED_DELAY: &str = "x-headroom-estimated-delay-ms";
+/// Response headers a browser page may read.
+pub const EXPOSED_HEADERS: [&str; 6] = [REQUEST_ID, DEVICE, DEGRADED, DEGRADED_REASON, ESTIMATED_DELAY, "retry-after"];
+/// A client's stated timeout, in ms (also `headroom.timeout_ms` in the body).
+pub const TIMEOUT_HEADER: &str = "x-headroom-timeout-ms";
+
+type Shared = State<Arc<AppState>>;
+
+pub fn new_request_id() -> String {
+    format!("req_{:024x}", rand::random::<u128>() >> 32)
+}
+
+fn now_unix() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "Headroom", description = "OpenAI-compatible local LLM service that survives running out of VRAM"),
+    paths(chat_completions, completions, models, request_status, cancel_request, status, events, healthz, readyz, metrics),
+    components(schemas(ErrorBody, StatusBody, ReadyBody, CancelBody))
+)]
+pub struct ApiDoc;
+
+pub fn router(state: Arc<AppState>, ui_dir: Option<std::path::PathBuf>) -> axum::Router {
+    let mut r = axum::Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/v1/requests/{id}", get(request_status))
+        .route("/v1/requests/{id}/cancel", post(cancel_request))
+        .route("/v1/status", get(status))
+        .route("/v1/events", get(events))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/openapi.json", get(openapi))
+        .route("/v1/{*rest}", axum::routing::any(not_found));
+    if state.sim_faults {
+        r = r.route("/admin/sim/fault", post(sim_fault));
+    }
+    let r = match ui_dir {
+        Some(dir) => r.fallback_service(tower_http::services::ServeDir::new(dir)),
+        None => r.route("/", get(no_ui)).fallback(not_found),
+    };
+    r.with_state(state)
+}
+
+async fn not_found(uri: axum::http::Uri) -> ApiError {
+    ApiError::not_found("not_found", format!("no endpoint {}; see /openapi.json", uri.path()))
+}
+
+async fn no_ui() -> Html<&'static str> {
+    Html(
+        "<!doctype html><title>Headroom</title><h1>Headroom is running</h1>\
+         <p>The web UI is not built here (<code>npm --prefix ui ci && npm --prefix ui run build</code>). \
+         The API is at <code>/v1</code>: <a href=\"/v1/status\">status</a>, <a href=\"/v1/models\">models</a>, \
+         <a href=\"/openapi.json\">OpenAPI</a>, <a href=\"/metrics\">metrics</a>.</p>",
+    )
+}
+
+fn parse_body<T: serde::de::DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<(T, Bytes), ApiError> {
+    let bytes = body.map_err(|e| {
+        let mut err = ApiError::invalid(None, format!("cannot read the request body: {e}"));
+        err.status = e.status();
+        err
+    })?;
+    let value = serde_json::from_slice(&bytes).map_err(|e| ApiError::invalid(None, format!("invalid request body: {e}")))?;
+    Ok((value, bytes))
+}
+
+fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    headers.get(name).and_then(|v| v.to_str().ok())
+}
+
+fn submission(headers: &HeaderMap, raw: &Bytes, prepared: &Prepared) -> Result<Submission, ApiError> {
+    let key = header_str(headers, "idempotency-key").map(str::to_string);
+    if key.as_deref().is_some_and(|k| k.is_empty() || k.len() > 255) {
+        return Err(ApiError::invalid(None, "Idempotency-Key must be 1 to 255 characters"));
+    }
+    let header_timeout = match header_str(headers, TIMEOUT_HEADER) {
+        Some(v) => Some(v.trim().parse::<u64>().map_err(|_| ApiError::invalid(None, format!("{TIMEOUT_HEADER}: {v:?} is not a number of milliseconds")))?),
+        None => None,
+    };
+    Ok(Submission {
+        run: RunRequest { request_id: new_request_id(), request: prepared.request.clone(), allow_resume: prepared.allow_resume },
+        idempotency_key: key,
+        body_hash: hex::encode(Sha256::digest(raw)),
+        stream: prepared.stream,
+        allow: Allowances { shrink: prepared.allow_shrink, cpu: prepared.allow_cpu, max_wait_ms: prepared.timeout_ms.or(header_timeout) },
+    })
+}
+
+/// Sanitised for a header: visible ASCII only.
+fn header_value(text: &str) -> HeaderValue {
+    let clean: String = text.chars().map(|c| if c.is_ascii_graphic() || c == ' ' { c } else { '?' }).take(512).collect();
+    HeaderValue::from_str(&clean).unwrap_or_else(|_| HeaderValue::from_static("?"))
+}
+
+/// Where a request is (or was) served, and whether that is degraded, for the headers.
+struct Placement {
+    request_id: String,
+    device: String,
+    degraded: bool,
+    degraded_reason: Option<String>,
+    estimated_delay_ms: Option<u64>,
+}
+
+impl Placement {
+    fn at_submit(state: &AppState, ticket: &Ticket) -> Self {
+        let dispatcher = &state.dispatcher;
+        let supervisor = dispatcher.supervisor();
+        let gpu_label = supervisor.config().gpu.as_ref().map(|g| g.device.label());
+        let status = supervisor.status();
+        let (device, degraded, reason) = match (ticket.device_queue.as_str(), &gpu_label) {
+            ("gpu", Some(label)) => (label.clone(), false, None),
+            ("cpu", Some(_)) if status.degraded => ("cpu".into(), true, Some(format!("GPU unavailable: {}", status.reason))),
+            ("cpu", Some(_)) => ("cpu".into(), true, Some(format!("sent to the CPU: {}", ticket.admission))),
+            ("cpu", None) => ("cpu".into(), false, None),
+            _ => {
+                let record = dispatcher.journal().get(&ticket.request_id).ok();
+                (record.and_then(|r| r.device).unwrap_or_else(|| "unknown".into()), status.degraded, status.degraded.then(|| status.reason.clone()))
+            }
+        };
+        let estimated_delay_ms = dispatcher.queues().iter().find(|q| q.device == ticket.device_queue).and_then(|q| q.estimated_delay_ms).or_else(|| dispatcher.estimated_delay_ms());
+        Self { request_id: ticket.request_id.clone(), device, degraded, degraded_reason: reason, estimated_delay_ms }
+    }
+
+    fn of(c: &Completion) -> Self {
+        Self {
+            request_id: c.outcome.request_id.clone(),
+            device: c.outcome.device.clone(),
+            degraded: c.outcome.degraded,
+            degraded_reason: c.outcome.degraded_reason.clone(),
+            estimated_delay_ms: Some(0),
+        }
+    }
+
+    fn apply(&self, headers: &mut HeaderMap) {
+        headers.insert(REQUEST_ID, header_value(&self.request_id));
+        headers.insert(DEVICE, header_value(&self.device));
+        headers.insert(DEGRADED, HeaderValue::from_static(if self.degraded { "true" } else { "false" }));
+        if let Some(r) = &self.degraded_reason {
+            headers.insert(DEGRADED_REASON, header_value(r));
+        }
+        if let Some(d) = self.estimated_delay_ms {
+            headers.insert(ESTIMATED_DELAY, HeaderValue::from(d));
+        }
+    }
+}
+
+fn with_placement(mut response: Response, placement: &Placement) -> Response {
+    placement.apply(response.headers_mut());
+    response
+}
+
+/// Tool calls in a finished chat, recorded in the journal before the client sees them (a
+/// replay of this request can then never deliver them again).
+fn tool_calls(state: &AppState, c: &Completion, tools: bool) -> (String, Vec<openai::ToolCall>) {
+    if !tools {
+        return (c.outcome.text.clone(), Vec::new());
+    }
+    let (text, calls) = openai::parse_tool_calls(&c.outcome.request_id, &c.outcome.text);
+    for call in &calls {
+        if let Err(e) = state.dispatcher.journal().record_tool_call(&c.outcome.request_id, &call.id, &call.function.name, &call.function.arguments) {
+            tracing::warn!(error = %e, "could not journal a tool call");
+        }
+    }
+    (text, calls)
+}
+
+#[utoipa::path(
+    post, path = "/v1/chat/completions", request_body = ChatCompletionRequest,
+    description = "OpenAI chat completions. With `stream: true` the answer is `text/event-stream` chunks ending in `data: [DONE]`.",
+    responses(
+        (status = 200, description = "The completion (or an SSE stream of chunks)", body = ChatCompletion),
+        (status = 400, description = "Invalid request", body = ErrorBody),
+        (status = 404, description = "Unknown model", body = ErrorBody),
+        (status = 409, description = "Idempotency-Key reused with another body, or cancelled", body = ErrorBody),
+        (status = 503, description = "No capacity now: see Retry-After", body = ErrorBody),
+    )
+)]
+async fn chat_completions(State(state): Shared, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let (request, raw): (ChatCompletionRequest, Bytes) = parse_body(body)?;
+    let prepared = openai::prepare_chat(&state.bundle, &state.model_id, &state.limits, &request)?;
+    serve(state, &headers, &raw, prepared, Kind::Chat).await
+}
+
+#[utoipa::path(
+    post, path = "/v1/completions", request_body = CompletionRequest,
+    description = "OpenAI (legacy) text completions; `stream: true` gives SSE chunks.",
+    responses(
+        (status = 200, description = "The completion", body = TextCompletion),
+        (status = 400, description = "Invalid request", body = ErrorBody),
+        (status = 404, description = "Unknown model", body = ErrorBody),
+        (status = 503, description = "No capacity now", body = ErrorBody),
+    )
+)]
+async fn completions(State(state): Shared, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let (request, raw): (CompletionRequest, Bytes) = parse_body(body)?;
+    let prepared = openai::prepare_completion(&state.bundle, &state.model_id, &state.limits, &request)?;
+    serve(state, &headers, &raw, prepared, Kind::Text).await
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Chat,
+    Text,
+}
+
+async fn serve(state: Arc<AppState>, headers: &HeaderMap, raw: &Bytes, prepared: Prepared, kind: Kind) -> Result<Response, ApiError> {
+    let sub = submission(headers, raw, &prepared)?;
+    let ticket = state.dispatcher.submit(sub)?;
+    let placement = Placement::at_submit(&state, &ticket);
+    if prepared.stream {
+        return Ok(with_placement(stream(state, ticket, prepared, kind, &placement), &placement));
+    }
+    let request_id = ticket.request_id.clone();
+    let completion = ticket.finish().await.map_err(|e| {
+        let mut err = ApiError::from(e);
+        err.message = format!("{} (request {request_id}; GET /v1/requests/{request_id} shows its history)", err.message);
+        err
+    })?;
+    let (text, calls) = tool_calls(&state, &completion, prepared.tools && kind == Kind::Chat);
+    let o = &completion.outcome;
+    let common = (format!("{}-{}", if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }, o.request_id), now_unix(), state.model_id.clone(), format!("fp_{}", state.bundle.short_hash()));
+    let response = match kind {
+        Kind::Chat => Json(ChatCompletion {
+            id: common.0,
+            object: "chat.completion".into(),
+            created: common.1,
+            model: common.2,
+            system_fingerprint: common.3,
+            choices: vec![openai::ChatChoice {
+                index: 0,
+                finish_reason: openai::finish_reason(o, !calls.is_empty()),
+                message: openai::AssistantMessage { role: "assistant".into(), content: Some(text), tool_calls: calls },
+                logprobs: None,
+            }],
+            usage: Usage::of(o),
+            headroom: HeadroomInfo::of(&completion),
+        })
+        .into_response(),
+        Kind::Text => Json(TextCompletion {
+            id: common.0,
+            object: "text_completion".into(),
+            created: common.1,
+            model: common.2,
+            system_fingerprint: common.3,
+            choices: vec![openai::TextChoice { index: 0, text, logprobs: None, finish_reason: openai::finish_reason(o, false) }],
+            usage: Usage::of(o),
+            headroom: HeadroomInfo::of(&completion),
+        })
+        .into_response(),
+    };
+    Ok(with_placement(response, &Placement::of(&completion)))
+}
+
+/// OpenAI's SSE chunks. A failover mid-stream shows as a `headroom` notice on the next chunk
+/// (clients that do not know it ignore it); the last chunk carries the full `headroom` object.
+fn stream(state: Arc<AppState>, mut ticket: Ticket, prepared: Prepared, kind: Kind, placement: &Placement) -> Response {
+    let (tx, rx) = mpsc::channel::<Result<Event, Infallible>>(64);
+    let id = format!("{}-{}", if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }, ticket.request_id);
+    let created = now_unix();
+    let model = state.model_id.clone();
+    let fingerprint = format!("fp_{}", state.bundle.short_hash());
+    let mut device = placement.device.clone();
+    let (degraded, degraded_reason) = (placement.degraded, placement.degraded_reason.clone());
+    tokio::spawn(async move {
+        let chunk = |choice: Value, headroom: Option<Value>| -> Event {
+            let mut c = json!({
+                "id": id, "object": if kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" },
+                "created": created, "model": model, "system_fingerprint": fingerprint,
+                "choices": if choice.is_null() { json!([]) } else { json!([choice]) },
+            });
+            if let Some(h) = headroom {
+                c["headroom"] = h;
+            }
+            Event::default().data(c.to_string())
+        };
+        let content = |text: &str, finish: Option<String>| -> Value {
+            match kind {
+                Kind::Chat => json!({"index": 0, "delta": if text.is_empty() && finish.is_some() { json!({}) } else { json!({"content": text}) }, "logprobs": null, "finish_reason": finish}),
+                Kind::Text => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish}),
+            }
+        };
+        let first = json!({"request_id": ticket.request_id, "device": device, "degraded": degraded, "degraded_reason": degraded_reason});
+        let opening = match kind {
+            Kind::Chat => chunk(json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}), Some(first)),
+            Kind::Text => chunk(content("", None), Some(first)),
+        };
+        if tx.send(Ok(opening)).await.is_err() {
+            return; // the client left; dropping the ticket cancels the request
+        }
+        // With tools the text may be a call: it is sent whole at the end, parsed.
+        let hold_text = prepared.tools && kind == Kind::Chat;
+        let mut streamed = 0usize;
+        loop {
+            let token = tokio::select! {
+                t = ticket.next_token() => t,
+                _ = tx.closed() => return,
+            };
+            let Some(token) = token else { break };
+            let notice = (token.device != device).then(|| {
+                let n = json!({"notice": "failover", "from": device, "to": token.device, "degraded": true,
+                    "message": format!("the {device} worker failed; continuing on {} after {} tokens", token.device, token.index)});
+                device = token.device.clone();
+                n
+            });
+            if hold_text || (token.text.is_empty() && notice.is_none()) {
+                continue;
+            }
+            streamed += 1;
+            if tx.send(Ok(chunk(content(&token.text, None), notice))).await.is_err() {
+                return;
+            }
+        }
+        let end = match ticket.finish().await {
+            Ok(c) => c,
+            Err(e) => {
+                let err = ApiError::from(e);
+                let _ = tx.send(Ok(Event::default().data(json!({"error": err.body().error}).to_string()))).await;
+                let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
+                return;
+            }
+        };
+        let (text, calls) = tool_calls(&state, &end, hold_text);
+        // Attached to a request another client streams, or served from the journal: the text
+        // arrives whole.
+        if (hold_text || streamed == 0) && !text.is_empty() {
+            let _ = tx.send(Ok(chunk(content(&text, None), None))).await;
+        }
+        if !calls.is_empty() {
+            let deltas: Vec<Value> = calls
+                .iter()
+                .enumerate()
+                .map(|(i, c)| json!({"index": i, "id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}))
+                .collect();
+            let _ = tx.send(Ok(chunk(json!({"index": 0, "delta": {"tool_calls": deltas}, "logprobs": null, "finish_reason": null}), None))).await;
+        }
+        let info = serde_json::to_value(HeadroomInfo::of(&end)).unwrap_or_default();
+        let _ = tx.send(Ok(chunk(content("", Some(openai::finish_reason(&end.outcome, !calls.is_empty()))), Some(info)))).await;
+        if prepared.include_usage {
+            let usage = Event::default().data(json!({"id": id, "object": if kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" }, "created": created, "model": model, "system_fingerprint": fingerprint, "choices": [], "usage": Usage::of(&end.outcome)}).to_string());
+            let _ = tx.send(Ok(usage)).await;
+        }
+        let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
+    });
+    Sse::new(ReceiverStream::new(rx)).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))).into_response()
+}
+
+#[utoipa::path(get, path = "/v1/models", responses((status = 200, description = "The served model", body = ModelList)))]
+async fn models(State(state): Shared) -> Json<ModelList> {
+    Json(ModelList {
+        object: "list".into(),
+        data: vec![openai::ModelCard { id: state.model_id.clone(), object: "model".into(), created: state.created_unix, owned_by: "headroom".into() }],
+    })
+}
+
+#[utoipa::path(
+    get, path = "/v1/requests/{id}", params(("id" = String, Path, description = "The request id (X-Request-Id)")),
+    responses((status = 200, description = "The request's journal record and history", body = Object), (status = 404, description = "Unknown id", body = ErrorBody))
+)]
+async fn request_status(State(state): Shared, Path(id): Path<String>) -> Result<Response, ApiError> {
+    let journal = state.dispatcher.journal();
+    let record = journal.get(&id)?;
+    let transitions = journal.transitions(&id)?;
+    let mut body = serde_json::to_value(&record).map_err(|e| ApiError::internal(e.to_string()))?;
+    // The stored body holds prompt token ids; the client knows its prompt.
+    if let Some(o) = body.as_object_mut() {
+        o.remove("body");
+        o.insert("transitions".into(), serde_json::to_value(transitions).unwrap_or_default());
+        o.insert("tool_calls_delivered".into(), json!(journal.tool_calls_delivered(&id)?));
+    }
+    let mut response = Json(body).into_response();
+    response.headers_mut().insert(REQUEST_ID, header_value(&id));
+    Ok(response)
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct CancelBody {
+    pub id: String,
+    /// true: it was queued or running and is being stopped; false: it had already ended.
+    pub cancelled: bool,
+    pub state: String,
+}
+
+#[utoipa::path(
+    post, path = "/v1/requests/{id}/cancel", params(("id" = String, Path, description = "The request id")),
+    responses((status = 200, description = "Cancelled, or already ended", body = CancelBody), (status = 404, description = "Unknown id", body = ErrorBody))
+)]
+async fn cancel_request(State(state): Shared, Path(id): Path<String>) -> Result<Response, ApiError> {
+    let outcome = state.dispatcher.cancel(&id)?;
+    let (cancelled, s) = match outcome {
+        CancelOutcome::Cancelled => (true, "cancelling".to_string()),
+        CancelOutcome::AlreadyEnded(s) => (false, serde_json::to_value(s).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default()),
+    };
+    let mut response = Json(CancelBody { id: id.clone(), cancelled, state: s }).into_response();
+    response.headers_mut().insert(REQUEST_ID, header_value(&id));
+    Ok(response)
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct WorkerInfo {
+    /// gpu or cpu.
+    pub kind: String,
+    /// cuda:N, sim or cpu.
+    pub device: String,
+    pub pid: Option<u32>,
+    /// ready, probing (half-open breaker), or down (restarting or failed).
+    pub state: String,
+    pub simulated: bool,
+    pub model: Option<String>,
+    pub bundle_hash: Option<String>,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct StatusBody {
+    pub model: String,
+    pub degraded: bool,
+    pub degraded_reason: Option<String>,
+    /// closed, open or half_open.
+    pub breaker: String,
+    pub workers: Vec<WorkerInfo>,
+    #[schema(value_type = Vec<Object>)]
+    pub queues: Value,
+    pub estimated_delay_ms: Option<u64>,
+    #[schema(value_type = Object)]
+    pub memory: Value,
+}
+
+fn status_body(state: &AppState) -> StatusBody {
+    let d = &state.dispatcher;
+    let supervisor = d.supervisor();
+    let s = supervisor.status();
+    let breaker = serde_json::to_value(s.breaker).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
+    let mut workers = Vec::new();
+    if let Some(gpu) = &supervisor.config().gpu {
+        let w = s.gpu.as_ref();
+        let state = match (w, s.breaker) {
+            (None, _) => "down",
+            (Some(_), headroom_router::BreakerState::Closed) => "ready",
+            (Some(_), headroom_router::BreakerState::HalfOpen) => "probing",
+            (Some(_), headroom_router::BreakerState::Open) => "unhealthy",
+        };
+        workers.push(WorkerInfo {
+            kind: "gpu".into(),
+            device: gpu.device.label(),
+            pid: w.map(|w| w.pid),
+            state: state.into(),
+            simulated: gpu.device == headroom_worker::DeviceKind::Sim,
+            model: w.map(|w| w.model.clone()),
+            bundle_hash: w.map(|w| w.bundle_hash.clone()),
+        });
+    }
+    let c = s.cpu.as_ref();
+    workers.push(WorkerInfo {
+        kind: "cpu".into(),
+        device: "cpu".into(),
+        pid: c.map(|w| w.pid),
+        state: if c.is_some() { "ready" } else { "down" }.into(),
+        simulated: false,
+        model: c.map(|w| w.model.clone()),
+        bundle_hash: c.map(|w| w.bundle_hash.clone()),
+    });
+    let gpu_reading = supervisor.gpu_worker().and_then(|w| w.memory().borrow().clone());
+    let memory = json!({
+        "gpu": gpu_reading,
+        "host": headroom_memory::observe::host_memory(),
+    });
+    StatusBody {
+        model: state.model_id.clone(),
+        degraded: s.degraded,
+        degraded_reason: s.degraded.then(|| s.reason.clone()),
+        breaker,
+        workers,
+        queues: serde_json::to_value(d.queues()).unwrap_or_default(),
+        estimated_delay_ms: d.estimated_delay_ms(),
+        memory,
+    }
+}
+
+#[utoipa::path(get, path = "/v1/status", responses((status = 200, description = "Devices, breaker, queues, delay and memory", body = StatusBody)))]
+async fn status(State(state): Shared) -> Json<StatusBody> {
+    Json(status_body(&state))
+}
+
+#[utoipa::path(get, path = "/v1/events", description = "Server-sent service events (breaker, degraded, workers, failovers, memory samples, queue depth), one JSON object each, named by their `event` field.", responses((status = 200, description = "text/event-stream")))]
+async fn events(State(state): Shared) -> Sse<impl futures_util::Stream<Item = Result<Event, Infallible>>> {
+    let first = Event::default().event("status").data(serde_json::to_string(&status_body(&state)).unwrap_or_default());
+    let live = BroadcastStream::new(state.dispatcher.supervisor().subscribe()).map(|e| {
+        Ok(match e {
+            Ok(event) => {
+                let value = serde_json::to_value(&event).unwrap_or_default();
+                let name = value["event"].as_str().unwrap_or("event").to_string();
+                Event::default().event(name).data(value.to_string())
+            }
+            Err(tokio_stream::wrappers::errors::BroadcastStreamRecvError::Lagged(n)) => Event::default().event("lagged").data(json!({"missed": n}).to_string()),
+        })
+    });
+    Sse::new(futures_util::stream::once(async { Ok(first) }).chain(live)).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+}
+
+#[utoipa::path(get, path = "/healthz", responses((status = 200, description = "The process is alive")))]
+async fn healthz() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct ReadyBody {
+    pub ready: bool,
+    pub degraded: bool,
+    pub reason: Option<String>,
+}
+
+#[utoipa::path(get, path = "/readyz", responses((status = 200, description = "Requests can be served", body = ReadyBody), (status = 503, description = "No worker can serve now", body = ReadyBody)))]
+async fn readyz(State(state): Shared) -> Response {
+    let s = state.dispatcher.supervisor().status();
+    let ready = s.cpu.is_some() || (s.gpu.is_some() && !s.degraded);
+    let body = ReadyBody { ready, degraded: s.degraded, reason: (!ready).then(|| "no worker is running; the CPU worker is restarting".to_string()).or_else(|| s.degraded.then(|| s.reason.clone())) };
+    let code = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (code, Json(body)).into_response()
+}
+
+#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text exposition")))]
+async fn metrics(State(state): Shared) -> Response {
+    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], state.dispatcher.metrics_text()).into_response()
+}
+
+async fn openapi() -> Json<utoipa::openapi::OpenApi> {
+    Json(ApiDoc::openapi())
+}
+
+/// `--gpu sim` only: inject a fault into the simulated GPU (`{"fault": "oom_next_allocation"}`,
+/// `{"fault": "reset", "after_tokens": 4}`, `{"fault": "clear"}`, ...).
+async fn sim_fault(State(state): Shared, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
+    let (fault, _): (Fault, Bytes) = parse_body(body)?;
+    state
+        .dispatcher
+        .supervisor()
+        .inject_fault(fault.clone())
+        .await
+        .map_err(|e| ApiError::unavailable(format!("cannot inject the fault: {e}"), 1))?;
+    Ok(Json(json!({"injected": fault})))
+}
