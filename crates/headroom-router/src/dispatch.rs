@@ -716,7 +716,12 @@ impl Dispatcher {
         self.queue_changed(lane);
         let metrics = &inner.metrics;
         match result {
-            Ok(outcome) => {
+            Ok(mut outcome) => {
+                if !on_gpu && inner.supervisor.config().gpu.is_some() && !outcome.degraded {
+                    // Admission sent it to the CPU: slower than the client would expect, so say so.
+                    outcome.degraded = true;
+                    outcome.degraded_reason = Some(format!("served by the CPU worker: {admission}"));
+                }
                 let finishing_lane = if outcome.device == "cpu" { &inner.cpu } else { &inner.gpu };
                 if outcome.failovers.is_empty() {
                     let total_ms = started.elapsed().as_secs_f64() * 1000.0;

@@ -135,6 +135,9 @@ pub struct RunOutcome {
     pub completion_tokens: u32,
     /// Prefill (and checkpoint replay) time of the attempt that finished.
     pub prefill_ms: f64,
+    /// Decode time the worker measured for the attempt that finished.
+    #[serde(default)]
+    pub decode_ms: f64,
     pub failovers: Vec<FailoverRecord>,
 }
 
@@ -631,7 +634,7 @@ impl Supervisor {
                         rng_word_pos = Some(pos);
                         on_token(&StreamedToken { index, token, text, device: device.clone() });
                     }
-                    FromWorker::Done { finish_reason, prompt_tokens, completion_tokens, prefill_ms, .. } => {
+                    FromWorker::Done { finish_reason, prompt_tokens, completion_tokens, prefill_ms, decode_ms, .. } => {
                         let status = self.status();
                         let on_cpu = !worker.device.is_gpu();
                         let degraded = on_cpu && self.inner.config.gpu.is_some() && (status.degraded || !failovers.is_empty());
@@ -653,6 +656,7 @@ impl Supervisor {
                             prompt_tokens,
                             completion_tokens,
                             prefill_ms,
+                            decode_ms,
                             failovers,
                         });
                     }

@@ -351,6 +351,9 @@ pub struct HeadroomInfo {
     pub fallback_model: Option<String>,
     pub failovers: Vec<FailoverInfo>,
     pub queued_ms: f64,
+    /// Prefill and decode time the worker measured (the attempt that finished).
+    pub prefill_ms: f64,
+    pub decode_ms: f64,
     pub admission: String,
     /// Served from the journal for a repeated Idempotency-Key: nothing ran again.
     pub from_journal: bool,
@@ -372,6 +375,8 @@ impl HeadroomInfo {
                 .map(|f| FailoverInfo { from: f.from.clone(), to: f.to.clone(), reason: f.reason.clone(), resumed_after_tokens: f.resumed_after_tokens })
                 .collect(),
             queued_ms: c.queued_ms,
+            prefill_ms: o.prefill_ms,
+            decode_ms: o.decode_ms,
             admission: c.admission.clone(),
             from_journal: c.from_journal,
         }
