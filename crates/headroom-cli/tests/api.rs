@@ -163,6 +163,11 @@ async fn bad_input_gets_a_4xx_with_an_openai_error_that_says_what_to_fix() {
         assert!(message.contains(needle), "{body}: {message}");
         assert!(r.headers.contains_key("x-request-id"));
     }
+    // Past the body limit (4 MiB by default): a 413 with the same error shape.
+    let huge = json!({"model": "default", "messages": [{"role": "user", "content": "a".repeat(5 << 20)}]}).to_string();
+    let r = api.call("POST", "/v1/chat/completions", &[], Some(huge)).await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE, "{}", r.text);
+    assert!(r.json()["error"]["message"].as_str().unwrap().contains("body"), "{}", r.text);
     let r = api.call("GET", "/v1/nothing", &[], None).await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
     assert!(r.json()["error"]["message"].is_string());
