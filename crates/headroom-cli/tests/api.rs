@@ -264,5 +264,13 @@ async fn with_an_api_key_only_the_probes_are_open() {
     assert_eq!(models.json()["data"][0]["id"], "default");
     assert_eq!(api.call("GET", "/healthz", &[], None).await.status, StatusCode::OK);
     assert_eq!(api.call("GET", "/readyz", &[], None).await.status, StatusCode::OK);
+    // CORS: the desktop app's origin may call the API from a browser context; others may not.
+    let preflight = |origin: &'static str| {
+        [("origin", origin), ("access-control-request-method", "POST"), ("access-control-request-headers", "authorization,content-type")]
+    };
+    let app = api.call("OPTIONS", "/v1/chat/completions", &preflight("tauri://localhost"), None).await;
+    assert_eq!(app.header("access-control-allow-origin"), "tauri://localhost");
+    let other = api.call("OPTIONS", "/v1/chat/completions", &preflight("https://evil.example"), None).await;
+    assert!(!other.headers.contains_key("access-control-allow-origin"), "{:?}", other.headers);
     api.stop().await;
 }
