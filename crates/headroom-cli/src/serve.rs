@@ -102,11 +102,14 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         Some(path) => std::fs::read_to_string(path).with_context(|| format!("cannot read config file {}", path.display()))?,
         None => String::new(),
     };
-    let in_file = |e: headroom_router::Error| anyhow::anyhow!("{}: {e}", args.config.as_deref().unwrap_or(std::path::Path::new("config")).display());
-    let mut server = ServerConfig::from_toml(&text).map_err(in_file)?;
-    let supervision = SupervisionConfig::from_toml(&text).map_err(in_file)?;
-    let queues = QueueConfig::from_toml(&text).map_err(in_file)?;
-    let mut memory = MemoryConfig::load(args.config.as_deref())?;
+    // Every table comes from the one reading of the file.
+    let file = args.config.as_deref().map(|p| p.display().to_string()).unwrap_or_else(|| "config".into());
+    let in_file = |e: &dyn std::fmt::Display| anyhow::anyhow!("{file}: {e}");
+    let mut server = ServerConfig::from_toml(&text).map_err(|e| in_file(&e))?;
+    let supervision = SupervisionConfig::from_toml(&text).map_err(|e| in_file(&e))?;
+    let queues = QueueConfig::from_toml(&text).map_err(|e| in_file(&e))?;
+    let mut memory = MemoryConfig::from_toml(&text).map_err(|e| in_file(&e))?;
+    memory.apply_env()?;
     if let Some(host) = args.host {
         server.host = host;
     }

@@ -441,17 +441,18 @@ impl Dispatcher {
                 m.prefill_ms_per_token.get_or_create(&label).set(r);
             }
         }
+        // Gauges are i64; byte counts never come near its limit, but saturate rather than wrap.
+        let bytes = |b: u64| i64::try_from(b).unwrap_or(i64::MAX);
         if let Some(reading) = inner.supervisor.gpu_worker().and_then(|w| w.memory().borrow().clone()) {
-            let clamp = |b: u64| b.min(i64::MAX as u64) as i64;
-            m.vram_capacity_bytes.set(clamp(reading.capacity_bytes.unwrap_or(0)));
-            m.vram_used_bytes.set(clamp(reading.used_bytes.unwrap_or(0)));
-            m.vram_predicted_bytes.set(clamp(reading.weights_bytes + reading.reserved_bytes + reading.competing_bytes));
+            m.vram_capacity_bytes.set(bytes(reading.capacity_bytes.unwrap_or(0)));
+            m.vram_used_bytes.set(bytes(reading.used_bytes.unwrap_or(0)));
+            m.vram_predicted_bytes.set(bytes(reading.weights_bytes + reading.reserved_bytes + reading.competing_bytes));
         }
         if let Some(host) = headroom_memory::observe::host_memory() {
-            m.host_total_bytes.set(host.total_bytes.min(i64::MAX as u64) as i64);
-            m.host_available_bytes.set(host.available_bytes.min(i64::MAX as u64) as i64);
+            m.host_total_bytes.set(bytes(host.total_bytes));
+            m.host_available_bytes.set(bytes(host.available_bytes));
         }
-        m.host_reserved_bytes.set(inner.host_ledger.held_bytes().min(i64::MAX as u64) as i64);
+        m.host_reserved_bytes.set(bytes(inner.host_ledger.held_bytes()));
         m.encode()
     }
 

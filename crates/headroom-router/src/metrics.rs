@@ -58,8 +58,8 @@ pub(crate) struct Metrics {
 
 impl Metrics {
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("headroom");
-        let m = Self {
+        let mut m = Self {
+            registry: Registry::with_prefix("headroom"),
             requests: Family::default(),
             failovers: Family::default(),
             replays: Counter::default(),
@@ -80,30 +80,27 @@ impl Metrics {
             host_total_bytes: Gauge::default(),
             host_available_bytes: Gauge::default(),
             host_reserved_bytes: Gauge::default(),
-            registry: Registry::default(),
         };
-        registry.register("requests", "Requests ended, by the device that served them and how they ended", m.requests.clone());
-        registry.register("failovers", "Requests moved from one device to another mid-flight", m.failovers.clone());
-        registry.register("replays", "Requests re-run from the start on another device", m.replays.clone());
-        registry.register("resumes", "Streams resumed from their checkpoint on another device", m.resumes.clone());
-        registry.register("generated_tokens", "Tokens generated, by device", m.generated_tokens.clone());
-        registry.register("breaker_state", "GPU circuit breaker: 0 closed, 1 half-open, 2 open", m.breaker_state.clone());
-        registry.register("degraded", "1 while GPU requests are served by the CPU worker", m.degraded.clone());
-        registry.register("queue_waiting", "Requests waiting for a slot", m.queue_waiting.clone());
-        registry.register("queue_running", "Requests running", m.queue_running.clone());
-        registry.register("queue_capacity", "Requests that may wait before a capacity error", m.queue_capacity.clone());
-        registry.register("queue_oldest_age_seconds", "Age of the oldest waiting request", m.queue_oldest_age_seconds.clone());
-        registry.register("estimated_delay_seconds", "Expected wait of a new request, from measured rates", m.estimated_delay_seconds.clone());
-        registry.register("decode_ms_per_token", "EWMA of measured decode time per token", m.decode_ms_per_token.clone());
-        registry.register("prefill_ms_per_token", "EWMA of measured prefill time per prompt token", m.prefill_ms_per_token.clone());
-        registry.register("vram_capacity_bytes", "GPU memory (the simulated capacity on sim)", m.vram_capacity_bytes.clone());
-        registry.register("vram_used_bytes", "GPU memory observed in use", m.vram_used_bytes.clone());
-        registry.register("vram_predicted_bytes", "GPU memory the memory model accounts for: weights + reservations + competing", m.vram_predicted_bytes.clone());
-        registry.register("host_total_bytes", "Host RAM", m.host_total_bytes.clone());
-        registry.register("host_available_bytes", "Host RAM available", m.host_available_bytes.clone());
-        registry.register("host_reserved_bytes", "Host RAM reserved by CPU-path requests", m.host_reserved_bytes.clone());
-        let mut m = m;
-        m.registry = registry;
+        m.registry.register("requests", "Requests ended, by the device that served them and how they ended", m.requests.clone());
+        m.registry.register("failovers", "Requests moved from one device to another mid-flight", m.failovers.clone());
+        m.registry.register("replays", "Requests re-run from the start on another device", m.replays.clone());
+        m.registry.register("resumes", "Streams resumed from their checkpoint on another device", m.resumes.clone());
+        m.registry.register("generated_tokens", "Tokens generated, by device", m.generated_tokens.clone());
+        m.registry.register("breaker_state", "GPU circuit breaker: 0 closed, 1 half-open, 2 open", m.breaker_state.clone());
+        m.registry.register("degraded", "1 while GPU requests are served by the CPU worker", m.degraded.clone());
+        m.registry.register("queue_waiting", "Requests waiting for a slot", m.queue_waiting.clone());
+        m.registry.register("queue_running", "Requests running", m.queue_running.clone());
+        m.registry.register("queue_capacity", "Requests that may wait before a capacity error", m.queue_capacity.clone());
+        m.registry.register("queue_oldest_age_seconds", "Age of the oldest waiting request", m.queue_oldest_age_seconds.clone());
+        m.registry.register("estimated_delay_seconds", "Expected wait of a new request, from measured rates", m.estimated_delay_seconds.clone());
+        m.registry.register("decode_ms_per_token", "EWMA of measured decode time per token", m.decode_ms_per_token.clone());
+        m.registry.register("prefill_ms_per_token", "EWMA of measured prefill time per prompt token", m.prefill_ms_per_token.clone());
+        m.registry.register("vram_capacity_bytes", "GPU memory (the simulated capacity on sim)", m.vram_capacity_bytes.clone());
+        m.registry.register("vram_used_bytes", "GPU memory observed in use", m.vram_used_bytes.clone());
+        m.registry.register("vram_predicted_bytes", "GPU memory the memory model accounts for: weights + reservations + competing", m.vram_predicted_bytes.clone());
+        m.registry.register("host_total_bytes", "Host RAM", m.host_total_bytes.clone());
+        m.registry.register("host_available_bytes", "Host RAM available", m.host_available_bytes.clone());
+        m.registry.register("host_reserved_bytes", "Host RAM reserved by CPU-path requests", m.host_reserved_bytes.clone());
         m
     }
 
