@@ -10,7 +10,7 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, Tokenizer};
 
 use crate::config::{LlamaConfig, TokenIds};
-use crate::weights::{init_llama, save_llama, StoreDtype};
+use crate::weights::{init_llama, save_llama, write_safetensors, StoreDtype};
 use crate::{CpuBackend, Error, Result};
 
 /// A byte-level tokenizer with one token per byte and no merges, plus ChatML specials.
@@ -78,6 +78,92 @@ pub fn config_100m() -> LlamaConfig {
     }
 }
 
+/// ChatML, as the fixtures' tokenizer_config.json carries it.
+const CHATML_TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+fn write_tokenizer_files(dir: &Path, tokenizer: &Tokenizer) -> Result<()> {
+    tokenizer
+        .save(dir.join("tokenizer.json"), false)
+        .map_err(|e| Error::Tokenizer(e.to_string()))?;
+    let tokenizer_config = serde_json::json!({ "eos_token": "<|im_end|>", "chat_template": CHATML_TEMPLATE });
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        serde_json::to_string(&tokenizer_config).expect("json"),
+    )?;
+    Ok(())
+}
+
+/// Writes a model whose greedy answer to any chat prompt is `pieces` concatenated, then EOS.
+///
+/// It is a real Llama run by the real engine: each piece is one added token, the embedding is
+/// one-hot, attention and MLP weights are zero (so the residual stream is the current token),
+/// and the output head maps each token to its successor: the prompt's final `\n` (ChatML ends
+/// `assistant\n`) to the first piece, each piece to the next, everything else to EOS. Used where
+/// a test needs a deterministic answer from a live model, e.g. a tool call. Pieces must not
+/// contain spaces (the byte-level decoder would not round-trip them).
+pub fn write_scripted_folder(dir: &Path, pieces: &[&str]) -> Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let mut tokenizer = byte_tokenizer()?;
+    let added: Vec<AddedToken> = pieces.iter().map(|p| AddedToken::from(p.to_string(), false)).collect();
+    tokenizer.add_tokens(&added);
+    let id = |text: &str| -> Result<u32> {
+        tokenizer
+            .token_to_id(text)
+            .ok_or_else(|| Error::Tokenizer(format!("no token for {text:?}")))
+    };
+    let newline = id("Ċ")?;
+    let eos = id("<|im_end|>")?;
+    let piece_ids = pieces.iter().map(|p| id(p)).collect::<Result<Vec<_>>>()?;
+    let vocab = tokenizer.get_vocab_size(true);
+    let hidden = vocab.next_multiple_of(8);
+    let config = LlamaConfig {
+        vocab_size: vocab,
+        hidden_size: hidden,
+        intermediate_size: 16,
+        num_hidden_layers: 1,
+        num_attention_heads: 2,
+        num_key_value_heads: Some(1),
+        max_position_embeddings: 4096,
+        eos_token_id: Some(TokenIds::One(eos)),
+        ..tiny_config()
+    };
+    let mut successor: Vec<u32> = vec![eos; vocab];
+    let mut previous = newline;
+    for &p in &piece_ids {
+        successor[previous as usize] = p;
+        previous = p;
+    }
+    let mut embed = vec![0.0f32; vocab * hidden];
+    let mut head = vec![0.0f32; vocab * hidden];
+    for t in 0..vocab {
+        embed[t * hidden + t] = 1.0;
+        head[successor[t] as usize * hidden + t] = 10.0;
+    }
+    let (heads, d) = (config.num_attention_heads, config.head_dim());
+    let zeros = |rows: usize, cols: usize| vec![0.0f32; rows * cols];
+    let p = "model.layers.0";
+    let tensors = vec![
+        ("model.embed_tokens.weight".to_string(), vec![vocab, hidden], embed),
+        (format!("{p}.input_layernorm.weight"), vec![hidden], vec![1.0; hidden]),
+        (format!("{p}.post_attention_layernorm.weight"), vec![hidden], vec![1.0; hidden]),
+        (format!("{p}.self_attn.q_proj.weight"), vec![heads * d, hidden], zeros(heads * d, hidden)),
+        (format!("{p}.self_attn.k_proj.weight"), vec![d, hidden], zeros(d, hidden)),
+        (format!("{p}.self_attn.v_proj.weight"), vec![d, hidden], zeros(d, hidden)),
+        (format!("{p}.self_attn.o_proj.weight"), vec![hidden, heads * d], zeros(hidden, heads * d)),
+        (format!("{p}.mlp.gate_proj.weight"), vec![16, hidden], zeros(16, hidden)),
+        (format!("{p}.mlp.up_proj.weight"), vec![16, hidden], zeros(16, hidden)),
+        (format!("{p}.mlp.down_proj.weight"), vec![hidden, 16], zeros(hidden, 16)),
+        ("model.norm.weight".to_string(), vec![hidden], vec![1.0; hidden]),
+        ("lm_head.weight".to_string(), vec![vocab, hidden], head),
+    ];
+    write_safetensors(&tensors, &dir.join("model.safetensors"), StoreDtype::F32)?;
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&config).expect("config serialises"),
+    )?;
+    write_tokenizer_files(dir, &tokenizer)
+}
+
 /// Writes a complete folder: config.json, model.safetensors (random weights from `seed`),
 /// tokenizer.json, tokenizer_config.json with a ChatML template.
 pub fn write_random_folder(dir: &Path, config: &LlamaConfig, seed: u64, dtype: StoreDtype) -> Result<()> {
@@ -97,16 +183,5 @@ pub fn write_random_folder(dir: &Path, config: &LlamaConfig, seed: u64, dtype: S
         dir.join("config.json"),
         serde_json::to_string_pretty(config).expect("config serialises"),
     )?;
-    byte_tokenizer()?
-        .save(dir.join("tokenizer.json"), false)
-        .map_err(|e| Error::Tokenizer(e.to_string()))?;
-    let tokenizer_config = serde_json::json!({
-        "eos_token": "<|im_end|>",
-        "chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
-    });
-    std::fs::write(
-        dir.join("tokenizer_config.json"),
-        serde_json::to_string(&tokenizer_config).expect("json"),
-    )?;
-    Ok(())
+    write_tokenizer_files(dir, &byte_tokenizer()?)
 }

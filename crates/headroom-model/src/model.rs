@@ -114,10 +114,16 @@ type LayerCache<B> = (Option<Tensor<B, 4>>, Option<Tensor<B, 4>>);
 
 /// Keys and values for every layer, allocated once for the whole request (prompt + max_tokens)
 /// so a running generation never grows its memory.
+///
+/// Layout is chosen so attention reads the cache in place: burn-ndarray re-lays out any
+/// non-contiguous matmul operand (a transposed or narrowed view) by an element-wise copy, so keys
+/// are stored already transposed and attention always spans the whole capacity, with positions
+/// not yet written masked out, instead of narrowing the cache to the filled part.
 #[derive(Debug, Clone)]
 pub struct KvCache<B: Backend> {
-    /// Per layer (keys, values), `[1, kv_heads, capacity, head_dim]`. Held in an `Option` so a
-    /// step can take sole ownership and the backend writes new entries in place, not by copy.
+    /// Per layer (keys `[1, kv_heads, head_dim, capacity]`, values
+    /// `[1, kv_heads, capacity, head_dim]`). Held in an `Option` so a step can take sole
+    /// ownership and the backend writes new entries in place, not by copy.
     layers: Vec<LayerCache<B>>,
     /// Tokens already stored.
     pub len: usize,
@@ -126,9 +132,14 @@ pub struct KvCache<B: Backend> {
 
 impl<B: Backend> KvCache<B> {
     pub fn new(config: &LlamaConfig, capacity: usize, device: &B::Device) -> Self {
-        let shape = [1, config.kv_heads(), capacity, config.head_dim()];
+        let (kvh, d) = (config.kv_heads(), config.head_dim());
         let layers = (0..config.num_hidden_layers)
-            .map(|_| (Some(Tensor::zeros(shape, device)), Some(Tensor::zeros(shape, device))))
+            .map(|_| {
+                (
+                    Some(Tensor::zeros([1, kvh, d, capacity], device)),
+                    Some(Tensor::zeros([1, kvh, capacity, d], device)),
+                )
+            })
             .collect();
         Self {
             layers,
@@ -149,6 +160,7 @@ impl<B: Backend> Attention<B> {
         x: Tensor<B, 3>,
         rope: &RopeTables<B>,
         start: usize,
+        mask: Option<&Tensor<B, 2, Bool>>,
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
         let [batch, seq, _] = x.dims();
@@ -169,37 +181,35 @@ impl<B: Backend> Attention<B> {
             .reshape([batch, seq, kvh, d])
             .swap_dims(1, 2);
         let q = rope.apply(q, start);
-        let k = rope.apply(k, start);
+        // Keys as `[batch, kv_heads, head_dim, seq]`: the layout q·kᵀ wants.
+        let k_t = rope.apply(k, start).swap_dims(2, 3);
 
-        let (k, v) = match cache {
+        let (k_t, v) = match cache {
             Some((k_cache, v_cache)) => {
                 let end = start + seq;
                 let new_k = k_cache
                     .take()
                     .expect("cache layer present between steps")
-                    .slice_assign([0..batch, 0..kvh, start..end, 0..d], k);
+                    .slice_assign([0..batch, 0..kvh, 0..d, start..end], k_t);
                 let new_v = v_cache
                     .take()
                     .expect("cache layer present between steps")
                     .slice_assign([0..batch, 0..kvh, start..end, 0..d], v);
                 *k_cache = Some(new_k.clone());
                 *v_cache = Some(new_v.clone());
-                (new_k.narrow(2, 0, end), new_v.narrow(2, 0, end))
+                (new_k, new_v)
             }
-            None => (k, v),
+            None => (k_t, v),
         };
-        let total = k.dims()[2];
 
         // Grouped-query attention without copying K/V: the `rep` query heads that share a KV
         // head are stacked along the sequence axis, so one batched matmul serves them all.
         let rep = h / kvh;
         let q = q.reshape([batch, kvh, rep * seq, d]);
-        let scores = q.matmul(k.swap_dims(2, 3)) * (1.0 / (d as f64).sqrt());
-        let scores = if seq > 1 {
-            let mask = causal_mask::<B>(rep, seq, start, total, &scores.device());
-            scores.mask_fill(mask.unsqueeze::<4>(), f32::NEG_INFINITY)
-        } else {
-            scores
+        let scores = q.matmul(k_t) * (1.0 / (d as f64).sqrt());
+        let scores = match mask {
+            Some(mask) => scores.mask_fill(mask.clone().unsqueeze::<4>(), f32::NEG_INFINITY),
+            None => scores,
         };
         let probs = softmax(scores, 3);
         let out = probs
@@ -235,11 +245,16 @@ impl<B: Backend> DecoderLayer<B> {
         x: Tensor<B, 3>,
         rope: &RopeTables<B>,
         start: usize,
+        mask: Option<&Tensor<B, 2, Bool>>,
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
-        let attn = self
-            .self_attn
-            .forward(self.input_layernorm.forward(x.clone()), rope, start, cache);
+        let attn = self.self_attn.forward(
+            self.input_layernorm.forward(x.clone()),
+            rope,
+            start,
+            mask,
+            cache,
+        );
         let x = x + attn;
         let mlp = self.mlp.forward(self.post_attention_layernorm.forward(x.clone()));
         x + mlp
@@ -257,9 +272,16 @@ impl<B: Backend> Llama<B> {
     ) -> Tensor<B, 3> {
         let seq = tokens.dims()[1];
         let mut x = self.embed_tokens.forward(tokens);
+        // With a cache, attention spans its whole capacity, so unwritten slots are masked even
+        // for a single new token; without one, only a multi-token sequence needs a mask.
+        let keys = cache.as_ref().map_or(seq, |c| c.capacity);
+        let mask = (keys > start + 1 || seq > 1).then(|| {
+            let attn = &self.layers[0].self_attn;
+            causal_mask::<B>(attn.n_heads / attn.n_kv_heads, seq, start, keys, &x.device())
+        });
         for (i, layer) in self.layers.iter().enumerate() {
             let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            x = layer.forward(x, rope, start, layer_cache);
+            x = layer.forward(x, rope, start, mask.as_ref(), layer_cache);
         }
         if let Some(cache) = cache {
             cache.len = start + seq;
@@ -272,8 +294,15 @@ impl<B: Backend> Llama<B> {
         match &self.lm_head {
             Some(head) => head.forward(hidden),
             None => {
-                let weight = self.embed_tokens.weight.val().transpose().unsqueeze::<3>();
-                hidden.matmul(weight)
+                // E·hᵀ rather than h·Eᵀ: the embedding `[vocab, hidden]` is used as stored, so
+                // no `[hidden, vocab]` copy of it is made per call (for one token hᵀ is free).
+                let [batch, seq, dim] = hidden.dims();
+                let weight = self.embed_tokens.weight.val();
+                let vocab = weight.dims()[0];
+                weight
+                    .matmul(hidden.reshape([batch * seq, dim]).transpose())
+                    .transpose()
+                    .reshape([batch, seq, vocab])
             }
         }
     }

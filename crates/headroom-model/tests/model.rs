@@ -282,3 +282,21 @@ fn safetensors_names(bytes: &[u8]) -> Vec<String> {
         .cloned()
         .collect()
 }
+
+#[test]
+fn scripted_folder_answers_its_script_for_any_chat_prompt() {
+    let dir = tempfile::tempdir().unwrap();
+    let pieces = ["<tool_call>", r#"{"name":"append","arguments":{"entry":"x"}}"#, "</tool_call>"];
+    headroom_model::fixture::write_scripted_folder(dir.path(), &pieces).unwrap();
+    let bundle = ModelBundle::open(dir.path()).unwrap();
+    let model = bundle.load::<B>(&Default::default(), |_, _| {}).unwrap();
+    for question in ["Record a payment", "Something else entirely, with more words"] {
+        let prompt = bundle
+            .chat_prompt(&[headroom_model::ChatMessage::new("user", question)], None)
+            .unwrap();
+        let request = GenerateRequest::new(prompt, 32, SamplingParams::default());
+        let out = generate(&model, &bundle, &request, &CancelToken::new(), |_| {}).unwrap();
+        assert_eq!(out.text, pieces.concat());
+        assert_eq!(out.finish_reason, headroom_model::FinishReason::Stop);
+    }
+}
