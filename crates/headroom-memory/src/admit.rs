@@ -37,6 +37,16 @@ impl Budget {
             None => predicted,
         }
     }
+
+    /// What a request could get once every admitted request has finished: waiting in the queue
+    /// frees reservations, never memory another program holds.
+    pub fn available_after_release_bytes(&self) -> u64 {
+        let capacity = self.capacity_bytes();
+        match self.observed_free_bytes {
+            Some(free) => capacity.min(free.saturating_sub(self.reserve_bytes) + self.held_bytes),
+            None => capacity,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -206,7 +216,9 @@ impl Planner {
         }
 
         let max_wait = allow.max_wait_ms.unwrap_or(self.config.max_queue_wait_ms);
-        let eta = if needs <= capacity { queue_eta_ms(needs) } else { None };
+        // Queue only when the requests ahead will free enough: memory a competing program holds
+        // does not come back by waiting.
+        let eta = if needs <= gpu.available_after_release_bytes() { queue_eta_ms(needs) } else { None };
         if let Some(eta) = eta.filter(|&e| e <= max_wait) {
             return Admission::Queue {
                 eta_ms: eta,

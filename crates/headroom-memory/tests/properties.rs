@@ -166,8 +166,23 @@ fn reasons_say_what_is_needed_and_what_is_free() {
     assert!(d.reason().contains("runs on CPU instead"), "{}", d.reason());
 
     let no_cpu = Allowances { cpu: false, ..Allowances::default() };
-    let d = p.decide(request, no_cpu, Some(&crowded), &host, |_| Some(2_000));
+    // Our own running requests hold the GPU: they will free it, so the request may wait.
+    let busy = Budget { held_bytes: gpu.capacity_bytes(), observed_free_bytes: Some(GIB + 100 * MIB), ..gpu };
+    let d = p.decide(request, no_cpu, Some(&busy), &host, |_| Some(2_000));
     assert!(matches!(d, Admission::Queue { eta_ms: 2_000, .. }), "{d:?}");
-    let d = p.decide(request, no_cpu, Some(&crowded), &host, |_| None);
+    let d = p.decide(request, no_cpu, Some(&busy), &host, |_| None);
     assert!(matches!(d, Admission::Refuse { retry_after_s: Some(_), .. }), "{d:?}");
+    // Another program holds it: waiting for our queue frees nothing, whatever its rate says.
+    let d = p.decide(request, no_cpu, Some(&crowded), &host, |_| Some(2_000));
+    assert!(matches!(d, Admission::Refuse { retry_after_s: Some(_), .. }), "{d:?}");
+}
+
+#[test]
+fn only_reservations_come_back_by_waiting() {
+    let b = Budget { total_bytes: 100, reserve_bytes: 10, weights_bytes: 20, held_bytes: 30, observed_free_bytes: Some(45) };
+    assert_eq!(b.capacity_bytes(), 70);
+    assert_eq!(b.available_bytes(), 35, "observed free less the reserve");
+    assert_eq!(b.available_after_release_bytes(), 65, "plus what our requests hold");
+    let unobserved = Budget { observed_free_bytes: None, ..b };
+    assert_eq!(unobserved.available_after_release_bytes(), 70);
 }
