@@ -259,3 +259,45 @@ async fn a_request_that_would_outlast_the_client_timeout_is_refused_up_front() {
     assert_eq!(patient.finish().await.unwrap().outcome.tokens.len(), 8);
     d.supervisor().shutdown().await;
 }
+
+/// A free GPU slot is not free GPU memory: on a sim GPU whose budget holds one request, a burst
+/// of four runs one at a time on it (the others wait for its memory), and all finish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_gpu_requests_start_only_when_their_memory_is_free() {
+    use headroom_memory::footprint::{ModelShape, MIB};
+    use headroom_memory::RequestShape;
+    let bundle = ModelBundle::open(model_dir()).unwrap();
+    let burst: Vec<Submission> = (0..4).map(|i| submission(&format!("b{i}"), "In the beginning God created", 24, None)).collect();
+    let memory = MemoryConfig { vram_reserve_mib: Some(64), ..MemoryConfig::default() };
+    let (planner, _) = headroom_memory::planner_for(&bundle, "cpu", memory.clone());
+    let r = &burst[0].run.request;
+    let needs = planner.footprint(RequestShape { prompt_tokens: r.prompt_tokens.len() as u64, max_tokens: 24, prefill_chunk: r.prefill_chunk as u64 }).request_bytes();
+    let weights = ModelShape::from_config(&bundle.config).weights_bytes();
+    // Room for one and a half requests besides weights and reserve. The worker's memory samples
+    // are off (memory_sample_ms = 0): only the router's own accounting can see the first grant.
+    let mut config = supervisor_config(true);
+    config.gpu.as_mut().unwrap().sim_vram_mib = (weights + needs * 3 / 2) / MIB + 64;
+    let supervisor = Supervisor::start(config).await.unwrap();
+    let mut events = supervisor.subscribe();
+    let d = Dispatcher::start(supervisor, Journal::in_memory().unwrap(), planner, memory, QueueConfig::default()).unwrap().0;
+    // One request first, so that the GPU lane has measured rates to estimate a wait from.
+    d.submit(submission("warm", "In the beginning God created", 24, None)).unwrap().finish().await.unwrap();
+    while events.try_recv().is_ok() {}
+    let tickets: Vec<_> = burst.into_iter().map(|s| d.submit(s).unwrap()).collect();
+    let mut ends = Vec::new();
+    for t in tickets {
+        ends.push(t.finish().await.unwrap());
+    }
+    let mut most_running_on_gpu = 0;
+    while let Ok(e) = events.try_recv() {
+        if let headroom_router::EventKind::QueueChanged { device, running, .. } = e.kind {
+            if device == "gpu" {
+                most_running_on_gpu = most_running_on_gpu.max(running);
+            }
+        }
+    }
+    assert_eq!(most_running_on_gpu, 1, "the GPU budget holds one request at a time");
+    assert!(ends.iter().all(|c| c.outcome.tokens.len() == 24));
+    assert!(ends.iter().filter(|c| c.outcome.device == "sim").count() >= 2, "waiting for GPU memory, not sent away at once: {:?}", ends.iter().map(|c| &c.outcome.device).collect::<Vec<_>>());
+    d.supervisor().shutdown().await;
+}

@@ -6,9 +6,9 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use headroom_memory::{Admission, Allowances, Budget, Ledger, MemoryConfig, Planner, RequestShape};
+use headroom_memory::{Admission, Allowances, Budget, Ledger, MemoryConfig, Planner, RequestShape, Reservation};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch, Semaphore};
 
@@ -274,6 +274,12 @@ struct Inner {
     cpu: Lane,
     /// Host RAM held by CPU-path requests, so redirects never exhaust it.
     host_ledger: Ledger,
+    /// GPU memory the router has granted to requests it started, from the moment it grants it:
+    /// the worker's memory samples arrive a second apart, and admissions in between must see
+    /// what earlier ones took. Its capacity is unbounded; the budget check decides.
+    gpu_ledger: Ledger,
+    /// Makes "check the GPU budget, then reserve" one step for concurrent admissions.
+    gpu_grant: Mutex<()>,
     in_flight: Mutex<HashMap<String, InFlight>>,
     metrics: Metrics,
 }
@@ -320,6 +326,8 @@ impl Dispatcher {
             gpu: Lane::new("gpu", queues.gpu_queue_capacity, gpu_concurrency),
             cpu: Lane::new("cpu", queues.cpu_queue_capacity, cpu_concurrency),
             host_ledger: Ledger::new("host", host_total.saturating_sub(memory.host_reserve_bytes(host_total))),
+            gpu_ledger: Ledger::new("gpu", u64::MAX),
+            gpu_grant: Mutex::new(()),
             memory,
             in_flight: Mutex::new(HashMap::new()),
             metrics: Metrics::new(),
@@ -546,13 +554,23 @@ impl Dispatcher {
         let worker = s.gpu_worker()?;
         let reading = worker.memory().borrow().clone()?;
         let total = reading.capacity_bytes?;
+        // Grants made since the worker's last sample are not in its reading yet.
+        let granted = self.inner.gpu_ledger.held_bytes();
+        let unseen = granted.saturating_sub(reading.reserved_bytes);
         Some(Budget {
             total_bytes: total,
             reserve_bytes: self.inner.memory.vram_reserve_bytes(total),
             weights_bytes: reading.weights_bytes,
-            held_bytes: reading.reserved_bytes,
-            observed_free_bytes: reading.used_bytes.map(|u| total.saturating_sub(u)),
+            held_bytes: reading.reserved_bytes.max(granted),
+            observed_free_bytes: reading.used_bytes.map(|u| total.saturating_sub(u).saturating_sub(unseen)),
         })
+    }
+
+    /// Reserves `bytes` of GPU memory if the budget has them now.
+    fn try_grant_gpu(&self, id: &str, bytes: u64) -> Option<Reservation> {
+        let _one_at_a_time = self.inner.gpu_grant.lock().unwrap();
+        let budget = self.gpu_budget()?;
+        (bytes <= budget.available_bytes()).then(|| self.inner.gpu_ledger.try_reserve(id, bytes).ok()).flatten()
     }
 
     fn host_budget(&self) -> Budget {
@@ -577,9 +595,24 @@ impl Dispatcher {
             max_tokens: sub.run.request.max_tokens as u64,
             prefill_chunk: sub.run.request.prefill_chunk as u64,
         };
+        // Decide and take the GPU grant in one step, so that concurrent admissions see each other.
+        let grant_guard = self.inner.gpu_grant.lock().unwrap();
         let gpu_budget = self.gpu_budget();
         let gpu_eta = self.inner.gpu.estimated_delay_ms();
         let admission = self.inner.planner.decide(shape, sub.allow, gpu_budget.as_ref(), &self.host_budget(), |_| gpu_eta);
+        let gpu_grant = match &admission {
+            Admission::Gpu { .. } | Admission::Shrink { .. } => {
+                let max_tokens = match &admission {
+                    Admission::Shrink { max_tokens, .. } => *max_tokens,
+                    _ => shape.max_tokens,
+                };
+                let bytes = self.inner.planner.footprint(RequestShape { max_tokens, ..shape }).request_bytes();
+                self.inner.gpu_ledger.try_reserve(&id, bytes).ok()
+            }
+            // A queued request is granted its memory when it leaves the queue.
+            _ => None,
+        };
+        drop(grant_guard);
         let refuse = |reason: String, retry_after_s: Option<u64>, estimated_delay_ms: Option<u64>| -> SubmitError {
             self.count_end("none", "refused");
             if let Err(e) = journal.record(&id, &Transition::Refused { reason: reason.clone() }) {
@@ -656,7 +689,7 @@ impl Dispatcher {
         let reason = admission.reason().to_string();
         let ticket_admission = reason.clone();
         tokio::spawn(async move {
-            let result = this.execute(sub, attempt, on_gpu, task_cancel, token_tx, reason).await;
+            let result = this.execute(sub, attempt, on_gpu, gpu_grant, task_cancel, token_tx, reason).await;
             drop(host_reservation);
             this.inner.in_flight.lock().unwrap().remove(&id);
             done_tx.send_replace(Some(result));
@@ -669,6 +702,7 @@ impl Dispatcher {
         sub: Submission,
         attempt: u32,
         on_gpu: bool,
+        mut gpu_grant: Option<Reservation>,
         cancel: CancelSignal,
         tokens: mpsc::UnboundedSender<StreamedToken>,
         admission: String,
@@ -692,10 +726,50 @@ impl Dispatcher {
             self.queue_changed(lane);
             return Err(Ended::Cancelled);
         };
+        // A request queued for the GPU starts only when its memory is there: a free slot is not
+        // free memory. If it does not come within the queue wait, the request goes to the CPU.
+        let mut gave_up_gpu: Option<String> = None;
+        if on_gpu && gpu_grant.is_none() {
+            let needs = inner.planner.footprint(RequestShape { prompt_tokens, max_tokens, prefill_chunk: sub.run.request.prefill_chunk as u64 }).request_bytes();
+            let max_wait = Duration::from_millis(sub.allow.max_wait_ms.unwrap_or(inner.memory.max_queue_wait_ms));
+            loop {
+                if self.gpu_budget().is_none() {
+                    break; // no healthy GPU: the supervisor routes it to the CPU
+                }
+                if let Some(r) = self.try_grant_gpu(&id, needs) {
+                    gpu_grant = Some(r);
+                    break;
+                }
+                if queued_at.elapsed() >= max_wait {
+                    let cpu_allowed = sub.allow.cpu && inner.memory.allow_cpu_redirect;
+                    if !cpu_allowed {
+                        lane.leave(prompt_tokens, max_tokens);
+                        let reason = format!("GPU memory for this request did not free within {} ms, and CPU fallback is not allowed", max_wait.as_millis());
+                        let _ = inner.journal.record(&id, &Transition::Failed { kind: "capacity".into(), detail: reason.clone(), resumable: true });
+                        self.count_end(lane.device, "failed");
+                        self.queue_changed(lane);
+                        return Err(Ended::Failed { reason, resumable: true });
+                    }
+                    gave_up_gpu = Some(format!("waited {} ms for GPU memory that did not free; ran on the CPU", queued_at.elapsed().as_millis()));
+                    break;
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+                    _ = cancel.cancelled() => {
+                        lane.leave(prompt_tokens, max_tokens);
+                        let _ = inner.journal.record(&id, &Transition::Cancelled { reason: "cancelled while queued".into() });
+                        self.count_end(lane.device, "cancelled");
+                        self.queue_changed(lane);
+                        return Err(Ended::Cancelled);
+                    }
+                }
+            }
+        }
         let queued_ms = queued_at.elapsed().as_secs_f64() * 1000.0;
         lane.running.fetch_add(1, Ordering::SeqCst);
         self.queue_changed(lane);
-        let device = if on_gpu { inner.supervisor.config().gpu.as_ref().map(|g| g.device.label()).unwrap_or_default() } else { "cpu".into() };
+        let on_gpu_now = on_gpu && gave_up_gpu.is_none();
+        let device = if on_gpu_now { inner.supervisor.config().gpu.as_ref().map(|g| g.device.label()).unwrap_or_default() } else { "cpu".into() };
         let _ = inner.journal.record(&id, &Transition::Running { device, attempt });
         let started = Instant::now();
         let mut first = true;
@@ -703,7 +777,7 @@ impl Dispatcher {
         let journal = &inner.journal;
         let result = inner
             .supervisor
-            .run_cancellable(sub.run, if on_gpu { Target::Auto } else { Target::Cpu }, &cancel, |t| {
+            .run_cancellable(sub.run, if on_gpu_now { Target::Auto } else { Target::Cpu }, &cancel, |t| {
                 if stream && first {
                     // From here on a replay from the start would show the client text twice.
                     let _ = journal.record_delivered(&id, 1);
@@ -712,16 +786,19 @@ impl Dispatcher {
                 let _ = tokens.send(t.clone());
             })
             .await;
+        drop(gpu_grant);
         lane.running.fetch_sub(1, Ordering::SeqCst);
         lane.leave(prompt_tokens, max_tokens);
         self.queue_changed(lane);
         let metrics = &inner.metrics;
         match result {
             Ok(mut outcome) => {
-                if !on_gpu && inner.supervisor.config().gpu.is_some() && !outcome.degraded {
-                    // Admission sent it to the CPU: slower than the client would expect, so say so.
+                if !on_gpu_now && inner.supervisor.config().gpu.is_some() && !outcome.degraded {
+                    // Admission (or a wait for GPU memory) sent it to the CPU: slower than the
+                    // client would expect, so say so.
                     outcome.degraded = true;
-                    outcome.degraded_reason = Some(format!("served by the CPU worker: {admission}"));
+                    let why = gave_up_gpu.clone().unwrap_or_else(|| admission.clone());
+                    outcome.degraded_reason = Some(format!("served by the CPU worker: {why}"));
                 }
                 let finishing_lane = if outcome.device == "cpu" { &inner.cpu } else { &inner.gpu };
                 if outcome.failovers.is_empty() {
