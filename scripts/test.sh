@@ -19,3 +19,6 @@ step "python: the openai package against headroom serve (chat, stream, stop, see
 
 step "schemathesis: generated requests against /openapi.json (no 5xx, no panic)"
 ./scripts/schemathesis.sh
+
+step "pressure: headroom pressure --profile ci on the sim GPU (OOMs, kill -9, cancels, shrinking VRAM, agent; the exit code enforces the pass criteria)"
+./target/debug/headroom pressure --profile ci --gpu sim --out target/pressure-ci

@@ -5,6 +5,8 @@ use std::path::PathBuf;
 
 mod failover;
 mod memory;
+mod pressure;
+mod pressure_report;
 mod serve;
 
 use anyhow::{bail, Context, Result};
@@ -34,6 +36,11 @@ enum Command {
     /// Serve the OpenAI-compatible API (and the web UI at /) with a GPU worker, a warm CPU
     /// worker and the request journal.
     Serve(serve::ServeArgs),
+    /// The memory-pressure harness: drives a real `headroom serve` through OOMs, driver resets,
+    /// cancellations and shrinking VRAM; writes report.json and report.html; fails on a lost
+    /// request, a duplicate side effect, host RAM over budget, an unmarked degraded response or
+    /// a GPU worker that did not come back.
+    Pressure(pressure::PressureArgs),
     /// Generate text from a prompt, streaming tokens to stdout.
     Generate {
         /// A Hugging Face model folder, or `default` for the embedded demo model.
@@ -189,6 +196,7 @@ fn main() -> Result<()> {
         .init();
     match Cli::parse().command {
         Command::Serve(args) => serve::serve(args),
+        Command::Pressure(args) => pressure::pressure(args),
         Command::Generate {
             model,
             prompt,

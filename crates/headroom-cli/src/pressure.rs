@@ -1,0 +1,1308 @@
+//! `headroom pressure`: the memory-pressure harness. It drives a real `headroom serve` (real
+//! HTTP clients, real worker processes) through traffic and injected faults while the GPU's
+//! free memory shrinks, and checks the central claim: every accepted request survives, visibly,
+//! once. It writes `report.json` and a self-contained `report.html`; the exit code enforces the
+//! pass criteria.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::ValueEnum;
+use futures_util::StreamExt;
+use headroom_memory::footprint::{ModelShape, RequestShape, MIB};
+use headroom_memory::MemoryConfig;
+use headroom_model::{ChatMessage, GenerateRequest, ModelBundle, SamplingParams};
+use serde::Serialize;
+use serde_json::{json, Value};
+use tokio::io::AsyncBufReadExt;
+
+use crate::pressure_report;
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Profile {
+    /// Small counts: runs in `.ci/run` (under 5 minutes on 2 cores).
+    Ci,
+    /// More requests, more concurrency, longer generations.
+    Full,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PressureGpu {
+    /// The simulated GPU: every fault can be injected.
+    Sim,
+    /// A real CUDA GPU: kill -9 and real memory pressure only (no injected OOMs).
+    Cuda,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct PressureArgs {
+    #[arg(long, value_enum, default_value_t = Profile::Ci)]
+    pub profile: Profile,
+    #[arg(long, value_enum, default_value_t = PressureGpu::Sim)]
+    pub gpu: PressureGpu,
+    /// Where report.json, report.html and the servers' logs go.
+    #[arg(long, default_value = "pressure-report")]
+    pub out: PathBuf,
+    /// A Hugging Face model folder, or `default` for the embedded demo model.
+    #[arg(long, default_value = "default")]
+    pub model: String,
+}
+
+/// How much traffic a profile sends.
+#[derive(Debug, Clone, Copy, Serialize)]
+struct Scale {
+    per_scenario: usize,
+    concurrent: usize,
+    max_tokens: u32,
+    long_prompt_tokens: usize,
+    resets: usize,
+    squeeze_steps: usize,
+    agent_tasks: usize,
+}
+
+impl Profile {
+    fn scale(self) -> Scale {
+        match self {
+            Profile::Ci => Scale { per_scenario: 3, concurrent: 6, max_tokens: 16, long_prompt_tokens: 600, resets: 1, squeeze_steps: 4, agent_tasks: 4 },
+            Profile::Full => Scale { per_scenario: 12, concurrent: 24, max_tokens: 48, long_prompt_tokens: 900, resets: 3, squeeze_steps: 6, agent_tasks: 12 },
+        }
+    }
+}
+
+const VERSES: [&str; 8] = [
+    "In the beginning God created the heaven and the earth.",
+    "The LORD is my shepherd; I shall not want.",
+    "And God said, Let there be light: and there was light.",
+    "Blessed are the meek: for they shall inherit the earth.",
+    "For God so loved the world, that he gave his only begotten Son,",
+    "To every thing there is a season, and a time to every purpose under the heaven:",
+    "Ask, and it shall be given you; seek, and ye shall find;",
+    "Now faith is the substance of things hoped for, the evidence of things not seen.",
+];
+
+/// Milliseconds since the harness started (every time in the report uses this clock).
+#[derive(Clone)]
+struct Clock(Instant);
+
+impl Clock {
+    fn ms(&self) -> f64 {
+        self.0.elapsed().as_secs_f64() * 1000.0
+    }
+}
+
+/// One `headroom serve` child process on a loopback port it picked itself.
+struct Server {
+    child: tokio::process::Child,
+    base: String,
+    model_id: String,
+    http: reqwest::Client,
+}
+
+impl Server {
+    async fn start(model_dir: &Path, gpu: PressureGpu, sizing: Option<&Sizing>, dir: &Path) -> Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        let config = dir.join("headroom.toml");
+        // Short queue waits and a small canary keep a CI run fast; everything else is default.
+        let mut toml = String::from("[memory]\nmax_queue_wait_ms = 2000\n");
+        if let Some(s) = sizing {
+            toml.push_str(&format!("vram_reserve_mib = {}\n", s.reserve_mib));
+        }
+        toml.push_str("\n[queues]\ngpu_queue_capacity = 64\ncpu_queue_capacity = 64\n\n[supervision]\nhealth_interval_ms = 500\nprobe_canary_mib = 1\n");
+        std::fs::write(&config, toml)?;
+        let log = std::fs::File::create(dir.join("serve.log"))?;
+        let mut cmd = tokio::process::Command::new(std::env::current_exe()?);
+        cmd.arg("serve").arg("--port").arg("0").arg("--model").arg(model_dir).arg("--config").arg(&config).arg("--data-dir").arg(dir.join("data"));
+        match gpu {
+            PressureGpu::Sim => {
+                cmd.args(["--gpu", "sim", "--sim-vram-mib"]).arg(sizing.map(|s| s.sim_vram_mib).unwrap_or(2048).to_string());
+            }
+            PressureGpu::Cuda => {
+                cmd.args(["--gpu", "cuda"]);
+            }
+        }
+        cmd.env_remove("HEADROOM_CONFIG").env_remove("HEADROOM_PORT").env_remove("HEADROOM_API_KEY");
+        cmd.stdout(Stdio::piped()).stderr(log).kill_on_drop(true);
+        let mut child = cmd.spawn().context("cannot start headroom serve")?;
+        let stdout = child.stdout.take().context("no stdout")?;
+        let mut lines = tokio::io::BufReader::new(stdout).lines();
+        let base = tokio::time::timeout(Duration::from_secs(300), async {
+            while let Some(line) = lines.next_line().await? {
+                if let Some(rest) = line.split(" at http://").nth(1) {
+                    let addr = rest.split_whitespace().next().unwrap_or_default();
+                    return Ok::<_, anyhow::Error>(format!("http://{addr}"));
+                }
+            }
+            bail!("headroom serve exited before it listened; see {}", dir.join("serve.log").display())
+        })
+        .await
+        .context("headroom serve did not start within 300 s")??;
+        // Keep draining stdout so the child never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let http = reqwest::Client::builder().pool_max_idle_per_host(0).build()?;
+        let models: Value = http.get(format!("{base}/v1/models")).send().await?.json().await?;
+        let model_id = models["data"][0]["id"].as_str().context("GET /v1/models named no model")?.to_string();
+        Ok(Self { child, base, model_id, http })
+    }
+
+    async fn status(&self) -> Result<Value> {
+        Ok(self.http.get(format!("{}/v1/status", self.base)).timeout(Duration::from_secs(10)).send().await?.json().await?)
+    }
+
+    async fn fault(&self, fault: Value) -> Result<()> {
+        let r = self.http.post(format!("{}/admin/sim/fault", self.base)).json(&fault).send().await?;
+        if !r.status().is_success() {
+            bail!("fault {fault} was refused: {}", r.text().await.unwrap_or_default());
+        }
+        Ok(())
+    }
+
+    /// The GPU worker as /v1/status shows it: (pid, ready with a closed breaker).
+    async fn gpu_worker(&self) -> Result<(Option<u32>, bool)> {
+        let s = self.status().await?;
+        let gpu = s["workers"].as_array().and_then(|w| w.iter().find(|w| w["kind"] == "gpu")).cloned().unwrap_or(Value::Null);
+        Ok((gpu["pid"].as_u64().map(|p| p as u32), gpu["state"] == "ready" && s["breaker"] == "closed"))
+    }
+
+    /// Admission reads the GPU worker's memory samples: waits until one shows the competitor.
+    async fn wait_competing(&self, bytes: u64) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.status().await?["memory"]["gpu"]["competing_bytes"].as_u64() != Some(bytes) {
+            if Instant::now() > deadline {
+                bail!("the GPU worker's memory samples never showed a {bytes}-byte competitor");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(())
+    }
+
+    /// Waits until the GPU worker is up with a closed breaker; returns how long that took.
+    async fn wait_gpu_restored(&self, clock: &Clock, timeout: Duration) -> Result<f64> {
+        let start = clock.ms();
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok((Some(_), true)) = self.gpu_worker().await {
+                return Ok(clock.ms() - start);
+            }
+            if Instant::now() > deadline {
+                bail!("the GPU worker was not restored within {} s", timeout.as_secs());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn stop(mut self) {
+        if let Some(pid) = self.child.id() {
+            let _ = std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status();
+        }
+        if tokio::time::timeout(Duration::from_secs(20), self.child.wait()).await.is_err() {
+            let _ = self.child.kill().await;
+        }
+    }
+}
+
+/// Sim capacity and reserve chosen from the same planner the server uses, so that short
+/// requests fit on the GPU and a long prompt never does.
+#[derive(Debug, Clone, Serialize)]
+struct Sizing {
+    sim_vram_mib: u64,
+    reserve_mib: u64,
+    /// What requests may hold on the GPU: capacity − reserve − weights.
+    room_mib: f64,
+    weights_mib: f64,
+    short_request_mib: f64,
+    long_request_mib: f64,
+}
+
+fn plan_sizing(bundle: &ModelBundle, short_tokens: usize, long_tokens: usize, max_tokens: u32) -> Result<Sizing> {
+    let (planner, _) = headroom_memory::planner_for(bundle, "cpu", MemoryConfig::default());
+    let chunk = GenerateRequest::new(vec![], 1, SamplingParams::default()).prefill_chunk as u64;
+    let bytes = |prompt: usize| planner.footprint(RequestShape { prompt_tokens: prompt as u64, max_tokens: max_tokens as u64, prefill_chunk: chunk }).request_bytes();
+    let (short, long) = (bytes(short_tokens), bytes(long_tokens));
+    let weights = ModelShape::from_config(&bundle.config).weights_bytes();
+    // The router gives requests capacity − reserve − weights; aim between a short and a long one.
+    let reserve_mib = 64;
+    let sim_vram_mib = (weights + (short + long) / 2) / MIB + reserve_mib;
+    let room = (sim_vram_mib - reserve_mib) * MIB - weights;
+    if room < short || room >= long {
+        bail!(
+            "a {long_tokens}-token prompt needs {:.1} MiB and a short one {:.1} MiB: too close to size a GPU (in whole MiB) that holds one and not the other; use a model whose KV cache grows faster",
+            long as f64 / MIB as f64,
+            short as f64 / MIB as f64
+        );
+    }
+    Ok(Sizing {
+        sim_vram_mib,
+        reserve_mib,
+        room_mib: room as f64 / MIB as f64,
+        weights_mib: weights as f64 / MIB as f64,
+        short_request_mib: short as f64 / MIB as f64,
+        long_request_mib: long as f64 / MIB as f64,
+    })
+}
+
+/// One request the harness sends.
+#[derive(Clone)]
+struct Shot {
+    scenario: &'static str,
+    class: &'static str,
+    fault: &'static str,
+    stream: bool,
+    /// Which prompt (for token equivalence: same prompt, same max_tokens, greedy).
+    prompt_key: String,
+    body: Value,
+    idempotency_key: Option<String>,
+    /// Streams: hang up after this many content chunks (client disconnect).
+    disconnect_after_chunks: Option<usize>,
+    /// Hang up if no full answer by then (a client timeout; non-streaming disconnect).
+    client_timeout: Option<Duration>,
+}
+
+/// What happened to one request, as its client and then the journal saw it.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Record {
+    pub scenario: String,
+    pub class: String,
+    pub fault: String,
+    pub stream: bool,
+    pub prompt_key: String,
+    pub sent_at_ms: f64,
+    pub latency_ms: f64,
+    /// HTTP status (0: the connection failed or the client hung up).
+    pub status: u16,
+    /// The service took responsibility for it (not a 4xx, not a capacity refusal).
+    pub accepted: bool,
+    /// Refused up front with a capacity error (503 + Retry-After): honest, not lost.
+    pub refused: bool,
+    /// The client hung up or cancelled on purpose.
+    pub intended_cancel: bool,
+    pub completed: bool,
+    pub request_id: Option<String>,
+    pub device: Option<String>,
+    pub degraded: bool,
+    /// The client was told: header, body field or stream notice.
+    pub degraded_marked: bool,
+    pub failovers: usize,
+    pub queued_ms: Option<f64>,
+    pub first_token_ms: Option<f64>,
+    pub text: String,
+    pub error: Option<String>,
+    pub journal_state: Option<String>,
+    /// The queue admission put it in first (gpu or cpu).
+    pub queued_on: Option<String>,
+    /// From the journal, ms after acceptance: the first failed attempt, what the router did,
+    /// and when the CPU attempt started.
+    pub first_failure_ms: Option<f64>,
+    pub retry_decision: Option<String>,
+    pub cpu_start_ms: Option<f64>,
+    pub lost: bool,
+}
+
+impl Record {
+    fn degraded_unmarked(&self) -> bool {
+        self.completed && self.degraded && !self.degraded_marked
+    }
+}
+
+fn chat_body(model: &str, prompt: &str, max_tokens: u32, stream: bool) -> Value {
+    json!({
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "seed": 7,
+        "ignore_eos": true,
+        "stream": stream,
+    })
+}
+
+fn request_id_in(message: &str) -> Option<String> {
+    let rest = message.split("(request ").nth(1)?;
+    Some(rest.split(|c: char| c == ';' || c == ')' || c.is_whitespace()).next()?.to_string())
+}
+
+/// Sends one request as a real client would and records what it saw.
+async fn send(server: &Server, clock: &Clock, shot: Shot, started: Option<tokio::sync::oneshot::Sender<String>>) -> Record {
+    let mut record = Record {
+        scenario: shot.scenario.into(),
+        class: shot.class.into(),
+        fault: shot.fault.into(),
+        stream: shot.stream,
+        prompt_key: shot.prompt_key.clone(),
+        sent_at_ms: clock.ms(),
+        ..Default::default()
+    };
+    let t0 = Instant::now();
+    let mut req = server.http.post(format!("{}/v1/chat/completions", server.base)).json(&shot.body);
+    if let Some(k) = &shot.idempotency_key {
+        req = req.header("Idempotency-Key", k);
+    }
+    let exchange = async {
+        let response = req.send().await?;
+        record.status = response.status().as_u16();
+        let header = |name: &str| response.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
+        record.request_id = header("x-request-id");
+        record.device = header("x-headroom-device");
+        let header_degraded = header("x-headroom-degraded").as_deref() == Some("true");
+        if !response.status().is_success() {
+            let body: Value = response.json().await.unwrap_or(Value::Null);
+            let message = body["error"]["message"].as_str().unwrap_or_default().to_string();
+            record.refused = record.status == 503 && body["error"]["type"] == "capacity_error";
+            record.accepted = !record.refused && record.status >= 500 || record.status == 409;
+            record.request_id = request_id_in(&message).or(record.request_id.take());
+            record.error = Some(format!("{}: {message}", record.status));
+            return Ok::<_, anyhow::Error>(());
+        }
+        record.accepted = true;
+        if !shot.stream {
+            let body: Value = response.json().await?;
+            let h = &body["headroom"];
+            record.request_id = h["request_id"].as_str().map(str::to_string).or(record.request_id.take());
+            record.device = h["device"].as_str().map(str::to_string);
+            record.degraded = h["degraded"] == true;
+            record.degraded_marked = header_degraded && record.degraded;
+            record.failovers = h["failovers"].as_array().map(Vec::len).unwrap_or(0);
+            record.queued_ms = h["queued_ms"].as_f64();
+            record.text = body["choices"][0]["message"]["content"].as_str().unwrap_or_default().to_string();
+            record.completed = body["choices"][0]["finish_reason"].is_string();
+            return Ok(());
+        }
+        let mut started = started;
+        let mut stream = response.bytes_stream();
+        let mut buffer = Vec::<u8>::new();
+        let mut chunks = 0usize;
+        let mut marked = false;
+        while let Some(piece) = stream.next().await {
+            buffer.extend_from_slice(&piece?);
+            while let Some(end) = buffer.windows(2).position(|w| w == b"\n\n") {
+                let event: Vec<u8> = buffer.drain(..end + 2).collect();
+                let text = String::from_utf8_lossy(&event);
+                for data in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
+                    if data == "[DONE]" {
+                        continue;
+                    }
+                    let chunk: Value = serde_json::from_str(data)?;
+                    if let Some(e) = chunk.get("error") {
+                        record.error = Some(e["message"].as_str().unwrap_or("stream error").to_string());
+                        continue;
+                    }
+                    let h = &chunk["headroom"];
+                    if let Some(id) = h["request_id"].as_str() {
+                        record.request_id = Some(id.to_string());
+                        if let Some(tx) = started.take() {
+                            let _ = tx.send(id.to_string());
+                        }
+                    }
+                    if h["degraded"] == true || h["notice"].is_string() {
+                        marked = true;
+                    }
+                    if let Some(d) = h["device"].as_str() {
+                        record.device = Some(d.to_string());
+                    }
+                    if h["failovers"].is_array() {
+                        // The last chunk carries the whole `headroom` object.
+                        record.degraded = h["degraded"] == true;
+                        record.failovers = h["failovers"].as_array().map(Vec::len).unwrap_or(0);
+                        record.queued_ms = h["queued_ms"].as_f64();
+                    }
+                    let choice = &chunk["choices"][0];
+                    if let Some(t) = choice["delta"]["content"].as_str().filter(|t| !t.is_empty()) {
+                        record.first_token_ms.get_or_insert(t0.elapsed().as_secs_f64() * 1000.0);
+                        record.text.push_str(t);
+                        chunks += 1;
+                        if shot.disconnect_after_chunks.is_some_and(|n| chunks >= n) {
+                            record.intended_cancel = true;
+                            return Ok(()); // dropping the stream hangs up
+                        }
+                    }
+                    if choice["finish_reason"].is_string() {
+                        record.completed = record.error.is_none();
+                    }
+                }
+            }
+        }
+        record.degraded_marked = marked && record.degraded;
+        Ok(())
+    };
+    let result = match shot.client_timeout {
+        Some(limit) => match tokio::time::timeout(limit, exchange).await {
+            Ok(r) => r,
+            Err(_) => {
+                record.intended_cancel = true;
+                Ok(())
+            }
+        },
+        None => exchange.await,
+    };
+    if let Err(e) = result {
+        record.error = Some(format!("transport: {e}"));
+        // Whether it was accepted is for the journal to say (below); assume the worst.
+        record.accepted = true;
+    }
+    record.latency_ms = t0.elapsed().as_secs_f64() * 1000.0;
+    record
+}
+
+/// A plain client that hung up never learnt its request's id: asking again with the same
+/// Idempotency-Key shows how the request ended (a 409 `request_cancelled`, or the stored answer)
+/// without running it twice.
+async fn end_by_key(server: &Server, record: &mut Record, key: &str, body: &Value) {
+    // The server notices the hang-up and cancels a moment later.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let again = server.http.post(format!("{}/v1/chat/completions", server.base)).header("Idempotency-Key", key).json(body).send().await;
+    let Ok(again) = again else { return };
+    let answer: Value = again.json().await.unwrap_or(Value::Null);
+    let cancelled = answer["error"]["code"] == "request_cancelled";
+    let completed = answer["choices"].is_array();
+    record.journal_state = Some(if cancelled { "cancelled".into() } else if completed { "completed".into() } else { answer["error"]["code"].as_str().unwrap_or("unknown").to_string() });
+    record.request_id = None; // checked here, not by id
+    record.lost = !cancelled && !completed;
+}
+
+/// Fills in what the journal knows about each accepted request, and whether it was lost.
+async fn reconcile(server: &Server, records: &mut [Record]) {
+    for r in records.iter_mut() {
+        let Some(id) = r.request_id.clone() else {
+            r.lost |= r.accepted && !r.intended_cancel && !r.completed;
+            continue;
+        };
+        // A cancelled or dropped request ends a moment after its client leaves.
+        let mut journal = Value::Null;
+        for _ in 0..100 {
+            journal = match server.http.get(format!("{}/v1/requests/{id}", server.base)).send().await {
+                Ok(resp) if resp.status().is_success() => resp.json().await.unwrap_or(Value::Null),
+                _ => Value::Null,
+            };
+            let state = journal["state"].as_str().unwrap_or_default();
+            if ["completed", "failed", "cancelled", "refused"].contains(&state) || journal.is_null() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        r.journal_state = journal["state"].as_str().map(str::to_string);
+        let accepted_at = journal["accepted_unix_ms"].as_f64().unwrap_or(0.0);
+        for record in journal["transitions"].as_array().into_iter().flatten() {
+            let at = record["at_unix_ms"].as_f64().unwrap_or(0.0) - accepted_at;
+            let t = &record["transition"];
+            let kind = t["transition"].as_str().unwrap_or_default();
+            match kind {
+                "queued" if r.queued_on.is_none() => r.queued_on = t["device"].as_str().map(str::to_string),
+                "attempt_failed" if r.first_failure_ms.is_none() => r.first_failure_ms = Some(at),
+                "replayed" | "resumed" if r.retry_decision.is_none() => {
+                    r.retry_decision = Some(format!("{kind} on {}", t["to"].as_str().unwrap_or("?")));
+                    if t["to"] == "cpu" {
+                        r.cpu_start_ms.get_or_insert(at);
+                    }
+                }
+                "running" if t["device"] == "cpu" => {
+                    r.cpu_start_ms.get_or_insert(at);
+                }
+                _ => {}
+            }
+        }
+        let ended_well = match r.journal_state.as_deref() {
+            Some("completed") => r.completed || r.intended_cancel,
+            Some("cancelled") => r.intended_cancel,
+            Some("refused") => r.refused,
+            _ => false,
+        };
+        r.lost = r.accepted && !ended_well;
+    }
+}
+
+/// A fault or environment change, for the timeline.
+#[derive(Debug, Clone, Serialize)]
+pub struct Marker {
+    pub at_ms: f64,
+    pub label: String,
+}
+
+/// A memory sample: GPU from the worker's readings (service events), host from the OS.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Sample {
+    pub at_ms: f64,
+    pub vram_capacity_mib: Option<f64>,
+    pub vram_used_mib: Option<f64>,
+    pub vram_reserved_mib: Option<f64>,
+    pub vram_competing_mib: Option<f64>,
+    pub host_used_mib: Option<f64>,
+    /// Resident memory of the server and its workers together.
+    pub headroom_rss_mib: Option<f64>,
+    pub queue_waiting: Option<u64>,
+}
+
+#[derive(Default)]
+struct Timeline {
+    samples: Vec<Sample>,
+    markers: Vec<Marker>,
+    /// (at, from, to) from the event stream.
+    breaker: Vec<(f64, String, String)>,
+}
+
+type SharedTimeline = Arc<Mutex<Timeline>>;
+
+fn mark(timeline: &SharedTimeline, clock: &Clock, label: impl Into<String>) {
+    timeline.lock().unwrap().markers.push(Marker { at_ms: clock.ms(), label: label.into() });
+}
+
+fn rss_mib(pid: u32) -> Option<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kb: f64 = status.lines().find(|l| l.starts_with("VmRSS:"))?.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}
+
+/// Samples memory and queues every 200 ms and follows `/v1/events` until `stop` fires.
+fn watch(server: &Server, server_pid: u32, clock: Clock, timeline: SharedTimeline, stop: tokio::sync::watch::Receiver<bool>) -> Vec<tokio::task::JoinHandle<()>> {
+    let (http, base) = (server.http.clone(), server.base.clone());
+    let (t1, c1, mut s1) = (timeline.clone(), clock.clone(), stop.clone());
+    let poll = tokio::spawn(async move {
+        let mib = |v: &Value| v.as_f64().map(|b| b / MIB as f64);
+        loop {
+            if let Ok(status) = async { http.get(format!("{base}/v1/status")).timeout(Duration::from_secs(5)).send().await?.json::<Value>().await }.await {
+                let gpu = &status["memory"]["gpu"];
+                let host = &status["memory"]["host"];
+                let pids = std::iter::once(server_pid).chain(status["workers"].as_array().into_iter().flatten().filter_map(|w| w["pid"].as_u64().map(|p| p as u32)));
+                let rss: f64 = pids.filter_map(rss_mib).sum();
+                let waiting = status["queues"].as_array().map(|q| q.iter().filter_map(|q| q["waiting"].as_u64()).sum());
+                t1.lock().unwrap().samples.push(Sample {
+                    at_ms: c1.ms(),
+                    vram_capacity_mib: mib(&gpu["capacity_bytes"]),
+                    vram_used_mib: mib(&gpu["used_bytes"]),
+                    vram_reserved_mib: mib(&gpu["reserved_bytes"]),
+                    vram_competing_mib: mib(&gpu["competing_bytes"]),
+                    host_used_mib: host["total_bytes"].as_f64().zip(host["available_bytes"].as_f64()).map(|(t, a)| (t - a) / MIB as f64),
+                    headroom_rss_mib: Some(rss),
+                    queue_waiting: waiting,
+                });
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                _ = s1.changed() => return,
+            }
+        }
+    });
+    let (http, base) = (server.http.clone(), server.base.clone());
+    let (t2, c2, mut s2) = (timeline, clock, stop);
+    let events = tokio::spawn(async move {
+        let Ok(response) = http.get(format!("{base}/v1/events")).send().await else { return };
+        let mut stream = response.bytes_stream();
+        let mut buffer = Vec::<u8>::new();
+        loop {
+            let piece = tokio::select! {
+                p = stream.next() => p,
+                _ = s2.changed() => return,
+            };
+            let Some(Ok(piece)) = piece else { return };
+            buffer.extend_from_slice(&piece);
+            while let Some(end) = buffer.windows(2).position(|w| w == b"\n\n") {
+                let event: Vec<u8> = buffer.drain(..end + 2).collect();
+                let text = String::from_utf8_lossy(&event);
+                let Some(data) = text.lines().find_map(|l| l.strip_prefix("data: ")) else { continue };
+                let Ok(v) = serde_json::from_str::<Value>(data) else { continue };
+                if v["event"] == "breaker_changed" {
+                    let s = |k: &str| v[k].as_str().unwrap_or_default().to_string();
+                    t2.lock().unwrap().breaker.push((c2.ms(), s("from"), s("to")));
+                }
+            }
+        }
+    });
+    vec![poll, events]
+}
+
+/// Runs shots `parallel` at a time.
+async fn run_all(server: &Server, clock: &Clock, shots: Vec<Shot>, parallel: usize) -> Vec<Record> {
+    let results = futures_util::stream::iter(shots.into_iter().map(|s| send(server, clock, s, None)))
+        .buffered(parallel.max(1))
+        .collect::<Vec<_>>()
+        .await;
+    results
+}
+
+/// Waits until a queue shows at least `running` requests running on `device` (gpu or cpu).
+async fn wait_running(server: &Server, device: &str, running: u64, timeout: Duration) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let s = server.status().await?;
+        let n = s["queues"].as_array().into_iter().flatten().find(|q| q["device"] == device).and_then(|q| q["running"].as_u64()).unwrap_or(0);
+        if n >= running {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("no request started on the {device} worker within {} s", timeout.as_secs());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Per-scenario figures.
+#[derive(Debug, Clone, Serialize)]
+pub struct ScenarioSummary {
+    pub scenario: String,
+    pub stream: bool,
+    pub sent: usize,
+    pub accepted: usize,
+    pub completed: usize,
+    pub refused: usize,
+    pub cancelled_by_client: usize,
+    pub lost: usize,
+    pub success_rate: f64,
+    pub degraded: usize,
+    pub degraded_unmarked: usize,
+    pub on_gpu: usize,
+    pub on_cpu: usize,
+    pub failovers: usize,
+    pub p50_latency_ms: f64,
+    pub p95_latency_ms: f64,
+    pub max_queued_ms: f64,
+}
+
+pub fn percentile(values: &[f64], p: f64) -> f64 {
+    if values.is_empty() {
+        return f64::NAN;
+    }
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let rank = ((p / 100.0) * (v.len() as f64 - 1.0)).round() as usize;
+    v[rank.min(v.len() - 1)]
+}
+
+fn summarize(records: &[Record]) -> Vec<ScenarioSummary> {
+    let mut groups: BTreeMap<(String, bool), Vec<&Record>> = BTreeMap::new();
+    for r in records {
+        groups.entry((r.scenario.clone(), r.stream)).or_default().push(r);
+    }
+    let mut out: Vec<ScenarioSummary> = groups
+        .into_iter()
+        .map(|((scenario, stream), rs)| {
+            let count = |f: &dyn Fn(&Record) -> bool| rs.iter().filter(|r| f(r)).count();
+            let accepted = count(&|r| r.accepted);
+            let intended = count(&|r| r.intended_cancel);
+            let completed = count(&|r| r.completed);
+            let latencies: Vec<f64> = rs.iter().filter(|r| r.completed).map(|r| r.latency_ms).collect();
+            let wanted = accepted.saturating_sub(count(&|r| r.accepted && r.intended_cancel));
+            ScenarioSummary {
+                sent: rs.len(),
+                accepted,
+                completed,
+                refused: count(&|r| r.refused),
+                cancelled_by_client: intended,
+                lost: count(&|r| r.lost),
+                success_rate: if wanted == 0 { 1.0 } else { count(&|r| r.accepted && !r.intended_cancel && r.completed) as f64 / wanted as f64 },
+                degraded: count(&|r| r.completed && r.degraded),
+                degraded_unmarked: count(&|r| r.degraded_unmarked()),
+                on_gpu: count(&|r| r.completed && r.device.as_deref().is_some_and(|d| d != "cpu")),
+                on_cpu: count(&|r| r.completed && r.device.as_deref() == Some("cpu")),
+                failovers: rs.iter().map(|r| r.failovers).sum(),
+                p50_latency_ms: percentile(&latencies, 50.0),
+                p95_latency_ms: percentile(&latencies, 95.0),
+                max_queued_ms: rs.iter().filter_map(|r| r.queued_ms).fold(0.0, f64::max),
+                scenario,
+                stream,
+            }
+        })
+        .collect();
+    // In the order they ran: streaming off first.
+    out.sort_by_key(|s| s.stream);
+    out
+}
+
+/// Greedy runs of the same request on the GPU and on the CPU.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Equivalence {
+    pub compared: usize,
+    pub identical: usize,
+    pub identical_percent: f64,
+    /// (prompt, character offset of the first difference) for each that differed.
+    pub divergences: Vec<(String, usize)>,
+}
+
+fn equivalence(records: &[Record]) -> Equivalence {
+    let mut reference: BTreeMap<&str, &str> = BTreeMap::new();
+    for r in records.iter().filter(|r| r.completed && !r.intended_cancel && r.failovers == 0 && r.device.as_deref().is_some_and(|d| d != "cpu")) {
+        reference.entry(&r.prompt_key).or_insert(&r.text);
+    }
+    let mut e = Equivalence::default();
+    for r in records.iter().filter(|r| r.completed && !r.intended_cancel && (r.device.as_deref() == Some("cpu") || r.failovers > 0)) {
+        let Some(gpu) = reference.get(r.prompt_key.as_str()) else { continue };
+        e.compared += 1;
+        if *gpu == r.text {
+            e.identical += 1;
+        } else {
+            let at = gpu.chars().zip(r.text.chars()).take_while(|(a, b)| a == b).count();
+            e.divergences.push((r.prompt_key.clone(), at));
+        }
+    }
+    e.identical_percent = if e.compared == 0 { f64::NAN } else { 100.0 * e.identical as f64 / e.compared as f64 };
+    e
+}
+
+/// One GPU fault and how long the GPU worker took to come back.
+#[derive(Debug, Clone, Serialize)]
+pub struct Recovery {
+    pub fault: String,
+    pub stream: bool,
+    pub restored: bool,
+    pub recovery_ms: Option<f64>,
+}
+
+/// A client-side agent's side effects.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct AgentSummary {
+    pub tasks: usize,
+    /// Tasks whose tool ran exactly once.
+    pub exactly_once: usize,
+    /// Tool executions beyond the first for the same task.
+    pub duplicate_side_effects: usize,
+    /// Tasks whose tool never ran (the call was lost).
+    pub lost_calls: usize,
+    pub retries: usize,
+    pub tool_calls_journaled: usize,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Criterion {
+    pub name: String,
+    pub passed: bool,
+    pub detail: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub profile: Profile,
+    pub gpu: PressureGpu,
+    pub model: String,
+    pub scale: serde_json::Value,
+    pub sizing: Option<serde_json::Value>,
+    pub wall_s: f64,
+    pub passed: bool,
+    pub criteria: Vec<Criterion>,
+    pub scenarios: Vec<ScenarioSummary>,
+    /// p50/p95 latency by request class and the device that finished it.
+    pub latency_by_class: Vec<Value>,
+    pub equivalence: Equivalence,
+    pub recoveries: Vec<Recovery>,
+    pub agent: AgentSummary,
+    pub host_ram: Value,
+    pub queue_age_ms: Value,
+    pub profiles: Value,
+    pub failed_requests: Vec<Value>,
+    pub breaker: Vec<(f64, String, String)>,
+    /// How long the breaker stayed open each time (open → closed, from the event stream).
+    pub breaker_open_ms: Vec<f64>,
+    pub markers: Vec<Marker>,
+    pub samples: Vec<Sample>,
+    pub records: Vec<Record>,
+}
+
+pub fn pressure(args: PressureArgs) -> Result<()> {
+    let model_dir = headroom_model::bundle::resolve_model_dir(&args.model);
+    let bundle = ModelBundle::open(&model_dir).with_context(|| format!("cannot open the model folder {}", model_dir.display()))?;
+    std::fs::create_dir_all(&args.out).with_context(|| format!("cannot create {}; pass --out", args.out.display()))?;
+    let out = args.out.canonicalize()?;
+    let runtime = tokio::runtime::Runtime::new()?;
+    let report = runtime.block_on(run(&args, &model_dir, &bundle, &out))?;
+    std::fs::write(out.join("report.json"), serde_json::to_string_pretty(&report)?)?;
+    std::fs::write(out.join("report.html"), pressure_report::html(&report))?;
+    println!("{}", pressure_report::text_summary(&report));
+    println!("report: {} and {}", out.join("report.json").display(), out.join("report.html").display());
+    if !report.passed {
+        let failed: Vec<&str> = report.criteria.iter().filter(|c| !c.passed).map(|c| c.name.as_str()).collect();
+        bail!("pressure run failed: {}", failed.join(", "));
+    }
+    Ok(())
+}
+
+async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &Path) -> Result<Report> {
+    let clock = Clock(Instant::now());
+    let scale = args.profile.scale();
+    let sim = args.gpu == PressureGpu::Sim;
+
+    // Prompts: short verses, and long prompts well past what the GPU budget holds.
+    let chat_len = |text: &str| -> Result<usize> { Ok(bundle.chat_prompt(&[ChatMessage::new("user", text)], None)?.len()) };
+    let context = bundle.config.max_position_embeddings;
+    let long_target = scale.long_prompt_tokens.min(context.saturating_sub(scale.max_tokens as usize + 8));
+    let mut long_prompts = Vec::new();
+    for i in 0..3 {
+        let mut text = String::new();
+        let mut k = i;
+        while chat_len(&text)? < long_target {
+            text.push_str(VERSES[k % VERSES.len()]);
+            text.push(' ');
+            k += 1;
+        }
+        while chat_len(&text)? > long_target {
+            text.pop();
+        }
+        long_prompts.push(text);
+    }
+    let short_tokens = VERSES.iter().map(|v| chat_len(v)).collect::<Result<Vec<_>>>()?.into_iter().max().unwrap_or(16);
+    let long_tokens = chat_len(&long_prompts[0])?;
+    let sizing = if sim { Some(plan_sizing(bundle, short_tokens, long_tokens, scale.max_tokens)?) } else { None };
+
+    let server = Server::start(model_dir, args.gpu, sizing.as_ref(), &out.join("server")).await?;
+    let server_pid = server.child.id().context("the server exited")?;
+    let timeline: SharedTimeline = Arc::default();
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let watchers = watch(&server, server_pid, clock.clone(), timeline.clone(), stop_rx.clone());
+    let host_budget_mib = {
+        let host = headroom_memory::observe::host_memory().context("cannot read host memory")?;
+        let reserve = MemoryConfig::default().host_reserve_bytes(host.total_bytes);
+        host.total_bytes.saturating_sub(reserve) as f64 / MIB as f64
+    };
+
+    let model = server.model_id.clone();
+    let max_tokens = scale.max_tokens;
+    let short = |scenario: &'static str, fault: &'static str, i: usize, stream: bool| Shot {
+        scenario,
+        class: "short",
+        fault,
+        stream,
+        prompt_key: format!("short-{}", i % VERSES.len()),
+        body: chat_body(&model, VERSES[i % VERSES.len()], max_tokens, stream),
+        idempotency_key: None,
+        disconnect_after_chunks: None,
+        client_timeout: None,
+    };
+    let long = |scenario: &'static str, fault: &'static str, i: usize, stream: bool| Shot {
+        class: "long",
+        prompt_key: format!("long-{}", i % long_prompts.len()),
+        body: chat_body(&model, &long_prompts[i % long_prompts.len()], max_tokens, stream),
+        ..short(scenario, fault, i, stream)
+    };
+
+    let mut records: Vec<Record> = Vec::new();
+    let mut recoveries: Vec<Recovery> = Vec::new();
+    let mut notes: Vec<String> = Vec::new();
+    let n = scale.per_scenario;
+    for stream in [false, true] {
+        let mode = if stream { "streaming" } else { "plain" };
+        eprintln!("pressure: {mode} requests");
+
+        // GPU-resident: everything fits; also the reference for token equivalence.
+        mark(&timeline, &clock, format!("baseline ({mode})"));
+        records.extend(run_all(&server, &clock, (0..VERSES.len().min(2 * n)).map(|i| short("gpu_resident", "none", i, stream)).collect(), 1).await);
+
+        // Concurrent traffic: more at once than the GPU holds.
+        mark(&timeline, &clock, format!("concurrent burst ({mode})"));
+        records.extend(run_all(&server, &clock, (0..scale.concurrent).map(|i| short("concurrent", "none", i, stream)).collect(), scale.concurrent).await);
+
+        // Long prompts: over the GPU profile, within host RAM: redirected before admission.
+        mark(&timeline, &clock, format!("long prompts → CPU ({mode})"));
+        records.extend(run_all(&server, &clock, (0..n).map(|i| long("long_prompts", "redirect_before_admission", i, stream)).collect(), 2).await);
+
+        if sim {
+            let mut fault_at = 0.0;
+            for i in 0..n {
+                mark(&timeline, &clock, "OOM before generation");
+                fault_at = clock.ms();
+                server.fault(json!({"fault": "oom_next_allocation"})).await?;
+                records.push(send(&server, &clock, short("oom_before_generation", "oom_before_generation", i, stream), None).await);
+            }
+            recoveries.push(restore_after(&server, &clock, "oom_before_generation", stream, fault_at).await);
+            for i in 0..n {
+                mark(&timeline, &clock, "OOM mid-generation");
+                fault_at = clock.ms();
+                server.fault(json!({"fault": "oom_after_tokens", "tokens": max_tokens / 2})).await?;
+                records.push(send(&server, &clock, short("oom_mid_generation", "oom_mid_generation", i, stream), None).await);
+            }
+            recoveries.push(restore_after(&server, &clock, "oom_mid_generation", stream, fault_at).await);
+        }
+
+        // Driver reset: kill -9 of the GPU worker while it generates.
+        for i in 0..scale.resets {
+            if sim {
+                // Slow the simulated GPU so the kill lands mid-generation.
+                server.fault(json!({"fault": "slowdown", "factor": 4.0})).await?;
+            }
+            let (pid, _) = server.gpu_worker().await?;
+            let pid = pid.context("no GPU worker to reset")?;
+            let shot = short("driver_reset", "kill_9_gpu_worker", i, stream);
+            let sending = send(&server, &clock, shot, None);
+            let killing = async {
+                wait_running(&server, "gpu", 1, Duration::from_secs(30)).await?;
+                tokio::time::sleep(Duration::from_millis(60)).await;
+                mark(&timeline, &clock, format!("kill -9 GPU worker {pid}"));
+                let killed_at = clock.ms();
+                let status = std::process::Command::new("kill").args(["-9", &pid.to_string()]).status()?;
+                anyhow::ensure!(status.success(), "kill -9 {pid} failed");
+                Ok::<_, anyhow::Error>(killed_at)
+            };
+            let (record, killed_at) = tokio::join!(sending, killing);
+            let killed_at = killed_at?;
+            records.push(record);
+            recoveries.push(restore_after(&server, &clock, "kill_9_gpu_worker", stream, killed_at).await);
+            if sim {
+                // A restarted sim worker gets the environment faults again: clear them.
+                server.fault(json!({"fault": "clear"})).await?;
+            }
+        }
+
+        // Cancellation while waiting in the CPU queue: the CPU worker runs one request at a time.
+        mark(&timeline, &clock, format!("cancel in CPU queue ({mode})"));
+        {
+            let first = send(&server, &clock, long("cancel_in_cpu_queue", "none", 0, stream), None);
+            let key = format!("cancel-{}-{}", std::process::id(), clock.ms() as u64);
+            let mut queued = long("cancel_in_cpu_queue", "cancel_while_queued", 1, stream);
+            queued.idempotency_key = Some(key.clone());
+            let queued_body = queued.body.clone();
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let second = async {
+                wait_running(&server, "cpu", 1, Duration::from_secs(30)).await.ok();
+                if stream {
+                    // The opening chunk names the request; cancel it by id.
+                    let handle = send(&server, &clock, queued, Some(tx));
+                    let cancel = async {
+                        if let Ok(id) = rx.await {
+                            let _ = server.http.post(format!("{}/v1/requests/{id}/cancel", server.base)).send().await;
+                        }
+                    };
+                    let (mut r, _) = tokio::join!(handle, cancel);
+                    r.intended_cancel = true;
+                    r
+                } else {
+                    // A plain client cancels by hanging up; its Idempotency-Key then shows the end.
+                    drop(tx);
+                    queued.client_timeout = Some(Duration::from_millis(300));
+                    let mut r = send(&server, &clock, queued, None).await;
+                    end_by_key(&server, &mut r, &key, &queued_body).await;
+                    r
+                }
+            };
+            let (a, b) = tokio::join!(first, second);
+            records.push(a);
+            records.push(b);
+        }
+
+        // Client disconnect mid-stream (plain clients: a client timeout mid-generation).
+        mark(&timeline, &clock, format!("client disconnect ({mode})"));
+        {
+            if sim {
+                server.fault(json!({"fault": "slowdown", "factor": 4.0})).await?;
+            }
+            let mut shot = short("client_disconnect", "client_disconnect", 1, stream);
+            if stream {
+                shot.disconnect_after_chunks = Some(3);
+                records.push(send(&server, &clock, shot, None).await);
+            } else {
+                let key = format!("disconnect-{}-{}", std::process::id(), clock.ms() as u64);
+                shot.idempotency_key = Some(key.clone());
+                shot.client_timeout = Some(Duration::from_millis(400));
+                let body = shot.body.clone();
+                let mut r = send(&server, &clock, shot, None).await;
+                end_by_key(&server, &mut r, &key, &body).await;
+                records.push(r);
+            }
+            if sim {
+                server.fault(json!({"fault": "clear"})).await?;
+            }
+            // The worker is free again: the next request is served.
+            records.push(send(&server, &clock, short("client_disconnect", "after_disconnect", 2, stream), None).await);
+        }
+
+        // A competing GPU workload grows step by step while traffic runs.
+        if let (true, Some(s)) = (sim, &sizing) {
+            for step in 0..=scale.squeeze_steps {
+                let competitor = (s.room_mib.ceil() as u64) * step as u64 / scale.squeeze_steps as u64;
+                mark(&timeline, &clock, format!("competitor {competitor} MiB"));
+                server.fault(json!({"fault": "compete", "mib": competitor})).await?;
+                server.wait_competing(competitor * MIB).await?;
+                let burst = (0..scale.concurrent / 2).map(|i| short("vram_squeeze", "competing_workload", i + step, stream)).collect();
+                records.extend(run_all(&server, &clock, burst, scale.concurrent / 2).await);
+            }
+            server.fault(json!({"fault": "clear"})).await?;
+            server.wait_competing(0).await?;
+            mark(&timeline, &clock, "competitor released");
+            let released_at = clock.ms();
+            recoveries.push(restore_after(&server, &clock, "competing_workload", stream, released_at).await);
+        } else {
+            notes.push("vram_squeeze needs the sim GPU's competing workload; on cuda run a real second program".into());
+        }
+    }
+    let checks_at = records.len();
+    reconcile(&server, &mut records[..checks_at]).await;
+
+    // An agent with a side-effecting mock tool, on a second server whose model always calls it.
+    let agent = run_agent(args.gpu, &out.join("agent"), &clock, &timeline, scale.agent_tasks).await?;
+
+    let _ = stop_tx.send(true);
+    for w in watchers {
+        let _ = w.await;
+    }
+    server.stop().await;
+    let timeline = Arc::try_unwrap(timeline).map_err(|_| anyhow!("timeline still shared"))?.into_inner().unwrap();
+
+    // Figures.
+    let scenarios = summarize(&records);
+    let mut latency_by_class = Vec::new();
+    let mut classes: BTreeMap<(String, String), Vec<f64>> = BTreeMap::new();
+    for r in records.iter().filter(|r| r.completed) {
+        classes.entry((r.class.clone(), r.device.clone().unwrap_or_default())).or_default().push(r.latency_ms);
+    }
+    for ((class, device), l) in &classes {
+        latency_by_class.push(json!({"class": class, "device": device, "count": l.len(), "p50_ms": percentile(l, 50.0), "p95_ms": percentile(l, 95.0)}));
+    }
+    let equivalence = equivalence(&records);
+    let host_peak = timeline.samples.iter().filter_map(|s| s.host_used_mib).fold(0.0, f64::max);
+    let rss_peak = timeline.samples.iter().filter_map(|s| s.headroom_rss_mib).fold(0.0, f64::max);
+    let queued: Vec<f64> = records.iter().filter_map(|r| r.queued_ms).collect();
+    // What Headroom itself held on the GPU (in use less the competing program), against what
+    // it may hold: capacity less the reserve kept for other programs.
+    let vram_own_peak = timeline.samples.iter().filter_map(|s| Some(s.vram_used_mib? - s.vram_competing_mib.unwrap_or(0.0))).fold(0.0, f64::max);
+    let vram_allowed = sizing.as_ref().map(|z| z.sim_vram_mib as f64 - z.reserve_mib as f64);
+    let failed_requests: Vec<Value> = records
+        .iter()
+        .filter(|r| r.first_failure_ms.is_some())
+        .map(|r| json!({"request_id": r.request_id, "scenario": r.scenario, "stream": r.stream, "first_failure_ms": r.first_failure_ms, "retry_decision": r.retry_decision, "cpu_start_ms": r.cpu_start_ms, "device": r.device, "completed": r.completed}))
+        .collect();
+
+    let lost: usize = records.iter().filter(|r| r.lost).count();
+    let unmarked: usize = records.iter().filter(|r| r.degraded_unmarked()).count();
+    let unrestored: Vec<String> = recoveries.iter().filter(|r| !r.restored).map(|r| format!("{} (stream {})", r.fault, r.stream)).collect();
+    let criteria = vec![
+        Criterion { name: "zero accepted requests lost".into(), passed: lost == 0 && agent.lost_calls == 0, detail: format!("{lost} lost of {} accepted; agent calls lost {}", records.iter().filter(|r| r.accepted).count(), agent.lost_calls) },
+        Criterion { name: "zero duplicate side effects".into(), passed: agent.duplicate_side_effects == 0, detail: format!("{} duplicates over {} agent tasks ({} retries)", agent.duplicate_side_effects, agent.tasks, agent.retries) },
+        Criterion { name: "host RAM within its budget".into(), passed: host_peak <= host_budget_mib, detail: format!("peak host RAM in use {host_peak:.0} MiB, budget {host_budget_mib:.0} MiB (total − host reserve); Headroom's processes peaked at {rss_peak:.0} MiB") },
+        Criterion {
+            name: "VRAM reserve kept".into(),
+            passed: vram_allowed.is_none_or(|a| vram_own_peak <= a + 1e-6),
+            detail: match vram_allowed {
+                Some(a) => format!("Headroom held at most {vram_own_peak:.1} MiB of GPU memory (weights + requests); capacity less the reserve is {a:.1} MiB (sampled each second by the worker)"),
+                None => "not checked: the reserve is only known for the sim GPU sized by the harness".into(),
+            },
+        },
+        Criterion { name: "every degraded response marked".into(), passed: unmarked == 0, detail: format!("{unmarked} unmarked of {} degraded", records.iter().filter(|r| r.completed && r.degraded).count()) },
+        Criterion { name: "GPU worker restored after each fault".into(), passed: unrestored.is_empty() && !recoveries.is_empty(), detail: if unrestored.is_empty() { format!("{} faults, all restored", recoveries.len()) } else { format!("not restored after {}", unrestored.join(", ")) } },
+    ];
+    let passed = criteria.iter().all(|c| c.passed);
+    let sim_note = "simulated GPU: ndarray compute behind an enforced VRAM limit";
+    let gpu_resident: Vec<&ScenarioSummary> = scenarios.iter().filter(|s| s.scenario == "gpu_resident").collect();
+    let fallback: Vec<&ScenarioSummary> = scenarios.iter().filter(|s| s.scenario != "gpu_resident").collect();
+    let profiles = json!({
+        "gpu_resident": {"available": true, "requests": gpu_resident.iter().map(|s| s.completed).sum::<usize>(), "p95_latency_ms": gpu_resident.iter().map(|s| s.p95_latency_ms).fold(0.0, f64::max)},
+        "cpu_fallback": {"available": true, "requests": fallback.iter().map(|s| s.completed).sum::<usize>(), "on_cpu": fallback.iter().map(|s| s.on_cpu).sum::<usize>(), "p95_latency_ms": fallback.iter().map(|s| s.p95_latency_ms).filter(|v| v.is_finite()).fold(0.0, f64::max)},
+        "layer_split": {"available": false, "reason": "Headroom runs each request whole on one worker; it has no planned CPU/GPU layer split, so none is measured"},
+        "note": if sim { sim_note } else { "CUDA GPU" },
+        "skipped": notes,
+    });
+    Ok(Report {
+        profile: args.profile,
+        gpu: args.gpu,
+        model: bundle.name(),
+        scale: serde_json::to_value(scale)?,
+        sizing: sizing.map(|s| serde_json::to_value(s)).transpose()?,
+        wall_s: clock.ms() / 1000.0,
+        passed,
+        criteria,
+        scenarios,
+        latency_by_class,
+        equivalence,
+        recoveries,
+        agent,
+        host_ram: json!({"peak_used_mib": host_peak, "budget_mib": host_budget_mib, "headroom_processes_peak_mib": rss_peak}),
+        queue_age_ms: json!({"p50": percentile(&queued, 50.0), "p95": percentile(&queued, 95.0), "max": queued.iter().cloned().fold(0.0, f64::max)}),
+        profiles,
+        failed_requests,
+        breaker_open_ms: breaker_open_spans(&timeline.breaker),
+        breaker: timeline.breaker,
+        markers: timeline.markers,
+        samples: timeline.samples,
+        records,
+    })
+}
+
+/// After a fault: the GPU worker must be back (ready, breaker closed) within a minute. The
+/// recovery time runs from the fault (`since_ms`) to the moment it is ready.
+async fn restore_after(server: &Server, clock: &Clock, fault: &str, stream: bool, since_ms: f64) -> Recovery {
+    let waited = server.wait_gpu_restored(clock, Duration::from_secs(60)).await;
+    Recovery { fault: fault.into(), stream, restored: waited.is_ok(), recovery_ms: waited.ok().map(|_| clock.ms() - since_ms) }
+}
+
+/// The agent: for each task it asks the model what to do (with an Idempotency-Key), runs every
+/// tool call it is handed once, and on any error retries with the same key. Faults hit the
+/// GPU worker meanwhile. A tool that ran twice for one task is a duplicate side effect.
+async fn run_agent(gpu: PressureGpu, dir: &Path, clock: &Clock, timeline: &SharedTimeline, tasks: usize) -> Result<AgentSummary> {
+    let model_dir = dir.join("tool-model");
+    headroom_model::fixture::write_scripted_folder(&model_dir, &["<tool_call>", r#"{"name":"append_ledger","arguments":{"entry":"payment"}}"#, "</tool_call>"])?;
+    let server = Server::start(&model_dir, gpu, None, dir).await?;
+    let tools = json!([{"type": "function", "function": {"name": "append_ledger", "description": "Append an entry to the ledger (a side effect)", "parameters": {"type": "object", "properties": {"entry": {"type": "string"}}, "required": ["entry"]}}}]);
+    let mut executed: BTreeMap<String, usize> = BTreeMap::new();
+    let mut summary = AgentSummary { tasks: tasks * 2, ..Default::default() };
+    let faults = ["none", "kill_9_gpu_worker", "oom_before_generation", "response_lost"];
+    for stream in [false, true] {
+        for t in 0..tasks {
+            let task = format!("task-{}-{t}", if stream { "s" } else { "p" });
+            let key = format!("agent-{}-{task}", std::process::id());
+            let fault = faults[t % faults.len()];
+            let body = json!({"model": server.model_id, "messages": [{"role": "user", "content": format!("Record the payment for {task}")}], "tools": tools, "max_tokens": 8, "temperature": 0, "stream": stream});
+            if gpu == PressureGpu::Sim {
+                match fault {
+                    "oom_before_generation" => server.fault(json!({"fault": "oom_next_allocation"})).await?,
+                    // Slow enough that the kill lands while the call is being generated.
+                    "kill_9_gpu_worker" => server.fault(json!({"fault": "slowdown", "factor": 400.0})).await?,
+                    _ => {}
+                }
+            }
+            mark(timeline, clock, format!("agent {task}: {fault}"));
+            let mut attempt = 0;
+            let (request_id, calls) = loop {
+                attempt += 1;
+                if attempt > 6 {
+                    break (None, Vec::new());
+                }
+                let request = server.http.post(format!("{}/v1/chat/completions", server.base)).header("Idempotency-Key", &key).json(&body).send();
+                let killer = async {
+                    if fault == "kill_9_gpu_worker" && attempt == 1 {
+                        if wait_running(&server, "gpu", 1, Duration::from_secs(20)).await.is_ok() {
+                            if let Ok((Some(pid), _)) = server.gpu_worker().await {
+                                mark(timeline, clock, format!("agent: kill -9 GPU worker {pid}"));
+                                let _ = std::process::Command::new("kill").args(["-9", &pid.to_string()]).status();
+                            }
+                        }
+                    }
+                };
+                let (response, ()) = tokio::join!(request, killer);
+                let answer = match response {
+                    Ok(r) if r.status().is_success() => {
+                        let id = r.headers().get("x-request-id").and_then(|v| v.to_str().ok()).map(str::to_string);
+                        if stream {
+                            let text = r.text().await.unwrap_or_default();
+                            (id, stream_tool_calls(&text))
+                        } else {
+                            let v: Value = r.json().await.unwrap_or(Value::Null);
+                            let calls = v["choices"][0]["message"]["tool_calls"].as_array().cloned().unwrap_or_default();
+                            (id, calls.iter().filter_map(|c| c["id"].as_str().map(str::to_string)).collect())
+                        }
+                    }
+                    Ok(r) => {
+                        let wait = r.headers().get("retry-after").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok()).unwrap_or(1);
+                        summary.retries += 1;
+                        tokio::time::sleep(Duration::from_millis(200 * wait.min(5))).await;
+                        continue;
+                    }
+                    Err(_) => {
+                        summary.retries += 1;
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        continue;
+                    }
+                };
+                if fault == "response_lost" && attempt == 1 {
+                    // The answer never reached the agent (a dropped connection): it retries.
+                    summary.retries += 1;
+                    continue;
+                }
+                break answer;
+            };
+            for _call in &calls {
+                *executed.entry(task.clone()).or_default() += 1;
+            }
+            if gpu == PressureGpu::Sim && fault != "none" {
+                let _ = server.wait_gpu_restored(clock, Duration::from_secs(60)).await;
+                server.fault(json!({"fault": "clear"})).await?;
+            }
+            // The journal's record of tool calls delivered for the request behind this key.
+            if let Some(id) = &request_id {
+                if let Ok(j) = server.http.get(format!("{}/v1/requests/{id}", server.base)).send().await {
+                    let j: Value = j.json().await.unwrap_or(Value::Null);
+                    summary.tool_calls_journaled += j["tool_calls_delivered"].as_u64().unwrap_or(0) as usize;
+                }
+            }
+        }
+    }
+    for t in 0..tasks {
+        for mode in ["p", "s"] {
+            match executed.get(&format!("task-{mode}-{t}")).copied().unwrap_or(0) {
+                0 => summary.lost_calls += 1,
+                1 => summary.exactly_once += 1,
+                n => summary.duplicate_side_effects += n - 1,
+            }
+        }
+    }
+    server.stop().await;
+    Ok(summary)
+}
+
+/// Open → closed spans of the breaker, in ms.
+fn breaker_open_spans(changes: &[(f64, String, String)]) -> Vec<f64> {
+    let mut opened = None;
+    let mut spans = Vec::new();
+    for (at, _, to) in changes {
+        match to.as_str() {
+            "open" => {
+                opened.get_or_insert(*at);
+            }
+            "closed" => spans.extend(opened.take().map(|o| at - o)),
+            _ => {}
+        }
+    }
+    spans
+}
+
+/// Tool call ids in an SSE chat stream.
+fn stream_tool_calls(text: &str) -> Vec<String> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .flat_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array().cloned().unwrap_or_default())
+        .filter_map(|c| c["id"].as_str().map(str::to_string))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn breaker_spans_run_from_open_to_closed() {
+        let c = |at: f64, from: &str, to: &str| (at, from.to_string(), to.to_string());
+        let changes = [c(10.0, "closed", "open"), c(20.0, "open", "half_open"), c(25.0, "half_open", "open"), c(40.0, "half_open", "closed"), c(50.0, "closed", "open")];
+        assert_eq!(breaker_open_spans(&changes), vec![30.0], "a span ends only at closed; the last is still open");
+    }
+
+    #[test]
+    fn percentiles_pick_ranks() {
+        let v = [5.0, 1.0, 3.0, 2.0, 4.0];
+        assert_eq!(percentile(&v, 50.0), 3.0);
+        assert_eq!(percentile(&v, 100.0), 5.0);
+        assert_eq!(percentile(&v, 0.0), 1.0);
+        assert!(percentile(&[], 50.0).is_nan());
+    }
+
+    #[test]
+    fn request_ids_come_out_of_error_messages() {
+        assert_eq!(request_id_in("worker failed (request req-12; GET /v1/requests/req-12 shows its history)").as_deref(), Some("req-12"));
+        assert_eq!(request_id_in("no id here"), None);
+    }
+
+    #[test]
+    fn tool_call_ids_are_read_from_a_stream() {
+        let sse = "data: {\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\ndata: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"id\":\"call_1\"}]}}]}\n\ndata: [DONE]\n\n";
+        assert_eq!(stream_tool_calls(sse), vec!["call_1".to_string()]);
+    }
+
+    fn rec(prompt: &str, device: &str, failovers: usize, text: &str) -> Record {
+        Record { prompt_key: prompt.into(), device: Some(device.into()), failovers, text: text.into(), completed: true, ..Default::default() }
+    }
+
+    #[test]
+    fn equivalence_compares_cpu_runs_with_the_gpu_reference() {
+        let records = [rec("a", "sim", 0, "abc"), rec("a", "cpu", 1, "abc"), rec("a", "cpu", 0, "abx"), rec("b", "cpu", 0, "zzz")];
+        let e = equivalence(&records);
+        assert_eq!(e.compared, 2, "b has no GPU reference");
+        assert_eq!(e.identical, 1);
+        assert_eq!(e.divergences, vec![("a".to_string(), 2)]);
+    }
+
+    #[test]
+    fn a_degraded_answer_without_a_mark_is_flagged() {
+        let mut r = rec("a", "cpu", 1, "x");
+        r.degraded = true;
+        assert!(r.degraded_unmarked());
+        r.degraded_marked = true;
+        assert!(!r.degraded_unmarked());
+    }
+}
