@@ -10,6 +10,13 @@ HEADROOM_SKIP_BUILD=1 ./scripts/install.sh
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q --disable-pip-version-check -r tests/python/requirements.txt
 
+# The browser end-to-end test drives Debian's Chromium (never a downloaded browser).
+if ! command -v chromium >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium
+fi
+
 step "rust: unit and integration tests (default members, no CUDA needed)"
 cargo test
 
@@ -22,3 +29,10 @@ step "schemathesis: generated requests against /openapi.json (no 5xx, no panic)"
 
 step "pressure: headroom pressure --profile ci on the sim GPU (OOMs, kill -9, cancels, shrinking VRAM, agent; the exit code enforces the pass criteria)"
 ./target/debug/headroom pressure --profile ci --gpu sim --out target/pressure-ci
+
+step "web UI: unit tests (vitest) and build"
+npm --prefix ui test
+npm --prefix ui run build
+
+step "web UI end-to-end: Debian's Chromium (playwright-core) against headroom serve --gpu sim; screenshots in docs/screenshots"
+npm --prefix ui run e2e

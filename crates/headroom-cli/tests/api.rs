@@ -236,6 +236,10 @@ async fn a_sim_oom_is_served_by_the_cpu_and_every_surface_says_degraded() {
     let api = api(true, None).await;
     let healthy = api.chat(chat_body(4, 2, false), &[]).await;
     assert_eq!(healthy.header("x-headroom-device"), "sim", "{}", healthy.text);
+    // The memory panel's reserve line and grants come from the budget admission uses.
+    let idle = api.call("GET", "/v1/status", &[], None).await.json();
+    assert!(idle["memory"]["vram_reserve_bytes"].as_u64().is_some_and(|r| r > 0), "{idle}");
+    assert!(idle["memory"]["gpu_held_bytes"].is_u64(), "{idle}");
     let r = api.call("POST", "/admin/sim/fault", &[], Some(json!({"fault": "oom_next_allocation"}).to_string())).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
     let failed_over = api.chat(chat_body(4, 2, false), &[]).await;

@@ -566,6 +566,12 @@ impl Dispatcher {
         })
     }
 
+    /// The GPU budget admission uses now (None without a healthy GPU): total, the reserve kept
+    /// for other programs, weights, what requests hold, observed free memory.
+    pub fn gpu_budget_now(&self) -> Option<Budget> {
+        self.gpu_budget()
+    }
+
     /// Reserves `bytes` of GPU memory if the budget has them now.
     fn try_grant_gpu(&self, id: &str, bytes: u64) -> Option<Reservation> {
         let _one_at_a_time = self.inner.gpu_grant.lock().unwrap();

@@ -498,8 +498,13 @@ fn status_body(state: &AppState) -> StatusBody {
         bundle_hash: c.map(|w| w.bundle_hash.clone()),
     });
     let gpu_reading = supervisor.gpu_worker().and_then(|w| w.memory().borrow().clone());
+    let budget = d.gpu_budget_now();
     let memory = json!({
         "gpu": gpu_reading,
+        // What admission works with: the reserve kept free for other programs, and what
+        // requests hold (the larger of the router's grants and the worker's last sample).
+        "vram_reserve_bytes": budget.map(|b| b.reserve_bytes),
+        "gpu_held_bytes": budget.map(|b| b.held_bytes),
         "host": headroom_memory::observe::host_memory(),
     });
     StatusBody {

@@ -1,0 +1,82 @@
+import { describe, expect, it } from "vitest";
+import { applyChunk, emptyReply, formatDelay, MemoryHistory, splitSse, statusView } from "./logic";
+
+const gpuWorker = { kind: "gpu", device: "sim", state: "ready", simulated: true };
+const cpuWorker = { kind: "cpu", device: "cpu", state: "ready", simulated: false };
+
+describe("status bar", () => {
+  it("says healthy, degraded with the reason, or unavailable", () => {
+    expect(statusView({ degraded: false, workers: [gpuWorker, cpuWorker] }).label).toBe("GPU healthy (simulated): sim");
+    const degraded = statusView({ degraded: true, degraded_reason: "breaker open after 3 OOMs", workers: [gpuWorker, cpuWorker], estimated_delay_ms: 1200 });
+    expect(degraded.health).toBe("degraded");
+    expect(degraded.reason).toBe("breaker open after 3 OOMs");
+    expect(degraded.estimatedDelayMs).toBe(1200);
+    expect(statusView({ degraded: true, workers: [{ ...gpuWorker, state: "down" }, cpuWorker] }).health).toBe("unavailable");
+    expect(statusView({ degraded: false, workers: [cpuWorker] }).health).toBe("cpu-only");
+  });
+});
+
+describe("chat stream", () => {
+  it("builds a reply with its device, and a notice when it moved to the CPU", () => {
+    let r = emptyReply();
+    r = applyChunk(r, { choices: [{ delta: { role: "assistant", content: "" } }], headroom: { request_id: "req_1", device: "sim", degraded: false } });
+    r = applyChunk(r, { choices: [{ delta: { content: "In the" } }] });
+    r = applyChunk(r, { choices: [{ delta: { content: " beginning" } }], headroom: { notice: "failover", from: "sim", to: "cpu", degraded: true, message: "the sim worker failed; continuing on cpu after 2 tokens" } });
+    r = applyChunk(r, { choices: [{ delta: {}, finish_reason: "length" }], headroom: { device: "cpu", degraded: true, failovers: [{ from: "sim", to: "cpu", reason: "oom" }], queued_ms: 3 } });
+    expect(r.text).toBe("In the beginning");
+    expect(r.requestId).toBe("req_1");
+    expect(r.device).toBe("cpu");
+    expect(r.degraded).toBe(true);
+    expect(r.notice).toBe("the sim worker failed; continuing on cpu after 2 tokens");
+    expect(r.failovers).toBe(1);
+    expect(r.done).toBe(true);
+    expect(r.finishReason).toBe("length");
+  });
+
+  it("says why a reply was sent to the CPU by admission", () => {
+    const r = applyChunk(emptyReply(), { choices: [], headroom: { request_id: "x", device: "cpu", degraded: true, degraded_reason: "sent to the CPU: needs 7.5 MiB" } });
+    expect(r.notice).toBe("sent to the CPU: needs 7.5 MiB");
+  });
+
+  it("ends on an error chunk", () => {
+    const r = applyChunk(emptyReply(), { error: { message: "worker failed" } });
+    expect(r.error).toBe("worker failed");
+    expect(r.done).toBe(true);
+  });
+
+  it("splits server-sent events across reads", () => {
+    const first = splitSse("event: failover\ndata: {\"a\":1}\n\ndata: [DO");
+    expect(first.events).toEqual([{ event: "failover", data: '{"a":1}' }]);
+    const second = splitSse(first.rest + "NE]\n\n");
+    expect(second.events).toEqual([{ event: "message", data: "[DONE]" }]);
+    expect(second.rest).toBe("");
+  });
+});
+
+describe("memory panel", () => {
+  it("keeps a window of samples with the reserve line, and marks failovers", () => {
+    const h = new MemoryHistory(60);
+    const status = (used: number) => ({ memory: { gpu: { capacity_bytes: 100 * 1048576, used_bytes: used * 1048576, reserved_bytes: 0 }, vram_reserve_bytes: 20 * 1048576, gpu_held_bytes: 5 * 1048576, host: { total_bytes: 1000 * 1048576, available_bytes: 600 * 1048576 } } });
+    h.addStatus(status(30), 0);
+    h.addStatus(status(40), 30_000);
+    h.addStatus(status(50), 90_000);
+    expect(h.points.map((p) => p.vramUsed)).toEqual([40, 50]);
+    expect(h.points[0].vramLimit).toBe(80);
+    expect(h.points[0].vramReserved).toBe(5);
+    expect(h.points[0].hostUsed).toBe(400);
+    h.addEvent("failover", { at_unix_ms: 91_000, from: "sim", to: "cpu" });
+    h.addEvent("queue_changed", { at_unix_ms: 91_000 });
+    expect(h.marks).toEqual([{ t: 91, kind: "failover", label: "failover sim→cpu" }]);
+    expect(h.columns()[0]).toEqual([90], "a mark moves the window too");
+  });
+});
+
+describe("delay", () => {
+  it("reads like a person would say it", () => {
+    expect(formatDelay(null)).toBeNull();
+    expect(formatDelay(0)).toBeNull();
+    expect(formatDelay(400)).toBe("about 400 ms");
+    expect(formatDelay(4200)).toBe("about 4 s");
+    expect(formatDelay(180_000)).toBe("about 3 min");
+  });
+});

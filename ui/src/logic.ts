@@ -1,0 +1,201 @@
+// What the UI shows, computed from what the server says. Pure functions: the components only
+// render these, and vitest checks them without a browser.
+
+/** One service event or status snapshot, as `/v1/events` and `/v1/status` send them. */
+export type Json = Record<string, any>;
+
+export type Health = "healthy" | "degraded" | "unavailable" | "cpu-only";
+
+export interface StatusView {
+  health: Health;
+  label: string;
+  reason: string | null;
+  simulated: boolean;
+  gpuDevice: string | null;
+  estimatedDelayMs: number | null;
+}
+
+/** The status bar: GPU healthy, degraded (CPU serving GPU requests) or unavailable, and why. */
+export function statusView(status: Json): StatusView {
+  const workers: Json[] = status.workers ?? [];
+  const gpu = workers.find((w) => w.kind === "gpu");
+  const delay = typeof status.estimated_delay_ms === "number" ? status.estimated_delay_ms : null;
+  const base = { simulated: !!gpu?.simulated, gpuDevice: gpu?.device ?? null, estimatedDelayMs: delay };
+  if (!gpu) {
+    return { ...base, health: "cpu-only", label: "CPU only", reason: "no GPU worker is configured" };
+  }
+  const sim = gpu.simulated ? " (simulated)" : "";
+  if (status.degraded) {
+    const down = gpu.state === "down";
+    return {
+      ...base,
+      health: down ? "unavailable" : "degraded",
+      label: down ? `GPU unavailable${sim}` : `GPU degraded${sim}`,
+      reason: status.degraded_reason ?? "GPU requests are served by the CPU worker",
+    };
+  }
+  return { ...base, health: "healthy", label: `GPU healthy${sim}: ${gpu.device}`, reason: null };
+}
+
+/** A reply in the chat, built from the stream's chunks. */
+export interface Reply {
+  requestId: string | null;
+  text: string;
+  device: string | null;
+  degraded: boolean;
+  /** Why the reply was served or resumed on the CPU, when it was. */
+  notice: string | null;
+  failovers: number;
+  queuedMs: number | null;
+  done: boolean;
+  cancelled: boolean;
+  error: string | null;
+  finishReason: string | null;
+}
+
+export function emptyReply(): Reply {
+  return { requestId: null, text: "", device: null, degraded: false, notice: null, failovers: 0, queuedMs: null, done: false, cancelled: false, error: null, finishReason: null };
+}
+
+/** Folds one OpenAI chat chunk (with Headroom's `headroom` extension) into the reply. */
+export function applyChunk(reply: Reply, chunk: Json): Reply {
+  const next = { ...reply };
+  if (chunk.error) {
+    next.error = chunk.error.message ?? "the request failed";
+    next.done = true;
+    return next;
+  }
+  const h = chunk.headroom;
+  if (h) {
+    if (h.request_id) next.requestId = h.request_id;
+    if (h.device) next.device = h.device;
+    if (h.degraded) next.degraded = true;
+    if (h.notice === "failover") {
+      next.notice = h.message ?? `continued on ${h.to}`;
+      next.device = h.to ?? next.device;
+    } else if (h.degraded && h.degraded_reason && !next.notice) {
+      next.notice = h.degraded_reason;
+    }
+    if (Array.isArray(h.failovers)) {
+      next.failovers = h.failovers.length;
+      if (h.failovers.length > 0 && !next.notice) {
+        const f = h.failovers[h.failovers.length - 1];
+        next.notice = `moved from ${f.from} to ${f.to}: ${f.reason}`;
+      }
+    }
+    if (typeof h.queued_ms === "number") next.queuedMs = h.queued_ms;
+  }
+  const choice = chunk.choices?.[0];
+  if (choice) {
+    const content = choice.delta?.content;
+    if (typeof content === "string") next.text += content;
+    if (choice.finish_reason) {
+      next.finishReason = choice.finish_reason;
+      next.done = true;
+    }
+  }
+  return next;
+}
+
+/** Splits a server-sent-events buffer into complete events; returns them and the rest. */
+export function splitSse(buffer: string): { events: { event: string; data: string }[]; rest: string } {
+  const events: { event: string; data: string }[] = [];
+  let rest = buffer.replace(/\r\n/g, "\n");
+  let end: number;
+  while ((end = rest.indexOf("\n\n")) >= 0) {
+    const block = rest.slice(0, end);
+    rest = rest.slice(end + 2);
+    let event = "message";
+    const data: string[] = [];
+    for (const line of block.split("\n")) {
+      if (line.startsWith("event:")) event = line.slice(6).trim();
+      else if (line.startsWith("data:")) data.push(line.slice(5).replace(/^ /, ""));
+    }
+    if (data.length > 0) events.push({ event, data: data.join("\n") });
+  }
+  return { events, rest };
+}
+
+const MIB = 1024 * 1024;
+
+/** One point of the memory panel, in MiB. */
+export interface MemoryPoint {
+  t: number; // unix seconds
+  vramUsed: number | null;
+  vramReserved: number | null;
+  vramLimit: number | null; // capacity less the reserve
+  vramCapacity: number | null;
+  hostUsed: number | null;
+}
+
+/** A failover or breaker change, marked on the time axis. */
+export interface Mark {
+  t: number;
+  label: string;
+  kind: "failover" | "breaker" | "degraded";
+}
+
+/** The memory panel's history: the last `windowS` seconds of samples and marks. */
+export class MemoryHistory {
+  points: MemoryPoint[] = [];
+  marks: Mark[] = [];
+  constructor(readonly windowS = 300) {}
+
+  addStatus(status: Json, tMs = Date.now()) {
+    const gpu = status.memory?.gpu;
+    const host = status.memory?.host;
+    const mib = (b: unknown) => (typeof b === "number" ? b / MIB : null);
+    const capacity = mib(gpu?.capacity_bytes);
+    const reserve = mib(status.memory?.vram_reserve_bytes);
+    this.push({
+      t: tMs / 1000,
+      vramUsed: mib(gpu?.used_bytes),
+      vramReserved: mib(status.memory?.gpu_held_bytes ?? gpu?.reserved_bytes),
+      vramCapacity: capacity,
+      vramLimit: capacity !== null && reserve !== null ? capacity - reserve : null,
+      hostUsed: host ? (host.total_bytes - host.available_bytes) / MIB : null,
+    });
+  }
+
+  addEvent(name: string, event: Json) {
+    const t = (event.at_unix_ms ?? Date.now()) / 1000;
+    if (name === "failover") this.mark({ t, kind: "failover", label: `failover ${event.from}→${event.to}` });
+    else if (name === "breaker_changed") this.mark({ t, kind: "breaker", label: `breaker ${event.to}` });
+    else if (name === "degraded") this.mark({ t, kind: "degraded", label: event.degraded ? "degraded" : "recovered" });
+  }
+
+  private push(p: MemoryPoint) {
+    this.points.push(p);
+    this.trim(p.t);
+  }
+
+  private mark(m: Mark) {
+    this.marks.push(m);
+    this.trim(m.t);
+  }
+
+  private trim(now: number) {
+    const from = now - this.windowS;
+    while (this.points.length > 0 && this.points[0].t < from) this.points.shift();
+    while (this.marks.length > 0 && this.marks[0].t < from) this.marks.shift();
+  }
+
+  /** Columns for uPlot: time, VRAM used, granted, limit, host RAM. */
+  columns(): (number | null)[][] {
+    return [
+      this.points.map((p) => p.t),
+      this.points.map((p) => p.vramUsed),
+      this.points.map((p) => p.vramReserved),
+      this.points.map((p) => p.vramLimit),
+      this.points.map((p) => p.hostUsed),
+    ];
+  }
+}
+
+/** "about 3 s", for the estimated-delay indicator. */
+export function formatDelay(ms: number | null | undefined): string | null {
+  if (ms === null || ms === undefined || ms <= 0) return null;
+  if (ms < 1000) return `about ${Math.round(ms)} ms`;
+  if (ms < 90_000) return `about ${Math.round(ms / 1000)} s`;
+  return `about ${Math.round(ms / 60_000)} min`;
+}

@@ -1,0 +1,141 @@
+// End-to-end: the built web UI in Debian's Chromium (playwright-core, no downloaded browser)
+// against a real `headroom serve --gpu sim`. A chat round trip on the GPU, then injected OOMs
+// open the breaker: the degraded banner, the CPU badge with its reason, and a stop. Screenshots
+// at 1024×700 and 1440×900 go to docs/screenshots/.
+import { spawn } from "node:child_process";
+import { mkdtempSync, mkdirSync, writeFileSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join, resolve } from "node:path";
+import { createInterface } from "node:readline";
+import assert from "node:assert/strict";
+import { chromium } from "playwright-core";
+
+const root = resolve(import.meta.dirname, "../..");
+const headroom = process.env.HEADROOM_BIN ?? join(root, "target/debug/headroom");
+const shots = join(root, "docs/screenshots");
+mkdirSync(shots, { recursive: true });
+
+async function startServer() {
+  const dir = mkdtempSync(join(tmpdir(), "headroom-e2e-"));
+  // A long breaker cool-down keeps degraded mode on screen long enough to look at.
+  writeFileSync(join(dir, "headroom.toml"), "[supervision.breaker]\ncooldown_ms = 60000\n");
+  const child = spawn(headroom, ["serve", "--gpu", "sim", "--port", "0", "--model", "default", "--config", join(dir, "headroom.toml"), "--data-dir", join(dir, "data")], {
+    env: { ...process.env, HEADROOM_UI_DIR: join(root, "ui/dist") },
+    stdio: ["ignore", "pipe", "inherit"],
+  });
+  const lines = createInterface({ input: child.stdout });
+  const url = await new Promise((ok, fail) => {
+    const timer = setTimeout(() => fail(new Error("headroom serve did not start in 120 s")), 120_000);
+    lines.on("line", (line) => {
+      const m = line.match(/ at (http:\/\/[^\s]+)/);
+      if (m) {
+        clearTimeout(timer);
+        ok(m[1]);
+      }
+    });
+    child.on("exit", (code) => fail(new Error(`headroom serve exited (${code})`)));
+  });
+  return { url, child, dir };
+}
+
+const results = [];
+async function check(name, body) {
+  try {
+    await body();
+    results.push([name, true]);
+    console.log(`ok - ${name}`);
+  } catch (e) {
+    results.push([name, false]);
+    console.log(`not ok - ${name}\n  ${String(e?.stack ?? e).split("\n").slice(0, 6).join("\n  ")}`);
+  }
+}
+
+const server = await startServer();
+const browser = await chromium.launch({
+  executablePath: process.env.CHROMIUM ?? "/usr/bin/chromium",
+  args: ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync"],
+});
+const fault = (body) => fetch(`${server.url}/admin/sim/fault`, { method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify(body) }).then((r) => assert.equal(r.status, 200));
+
+async function chat(page, text) {
+  const before = await page.getByTestId("reply").count();
+  await page.getByTestId("prompt").fill(text);
+  await page.getByTestId("send").click();
+  const reply = page.getByTestId("reply").nth(before);
+  await reply.waitFor();
+  await page.getByTestId("send").waitFor({ timeout: 60_000 }); // the button comes back when done
+  return reply;
+}
+
+try {
+  const page = await browser.newPage({ viewport: { width: 1440, height: 900 } });
+  await page.goto(server.url);
+
+  await check("the status bar says the simulated GPU is healthy", async () => {
+    await page.getByTestId("gpu-health").filter({ hasText: "GPU healthy (simulated)" }).waitFor({ timeout: 20_000 });
+  });
+
+  await check("a chat streams a reply served by the GPU", async () => {
+    const reply = await chat(page, "In the beginning");
+    assert.match(await reply.getByTestId("device-badge").innerText(), /GPU · sim/);
+    assert.ok((await reply.locator(".text").innerText()).trim().length > 0, "the reply has text");
+  });
+
+  await check("after injected OOMs the breaker opens: degraded banner, CPU badge and why", async () => {
+    for (let i = 0; i < 3; i++) {
+      await fault({ fault: "oom_next_allocation" });
+      const reply = await chat(page, `The LORD is my shepherd ${i}`);
+      assert.equal(await reply.getByTestId("device-badge").innerText(), "CPU");
+      assert.ok((await reply.getByTestId("reply-notice").innerText()).length > 0, "the reply says why it ran on the CPU");
+    }
+    await page.getByTestId("degraded-banner").waitFor({ timeout: 10_000 });
+    assert.match(await page.getByTestId("gpu-health").innerText(), /GPU (degraded|unavailable)/);
+  });
+
+  await check("while degraded a new reply goes to the CPU and says so", async () => {
+    const reply = await chat(page, "Blessed are the meek");
+    assert.equal(await reply.getByTestId("device-badge").innerText(), "CPU");
+    assert.match(await reply.getByTestId("reply-notice").innerText(), /CPU|GPU/);
+  });
+
+  await check("the memory panel draws the chart and marks the failovers", async () => {
+    await page.getByTestId("memory-chart").locator("canvas").first().waitFor();
+    await page.locator(".marks li.failover").first().waitFor({ timeout: 10_000 });
+  });
+
+  await check("stop cancels the request on the server", async () => {
+    await page.locator("input[type=number]").fill("400");
+    await page.getByTestId("prompt").fill("And God said");
+    await page.getByTestId("send").click();
+    const reply = page.getByTestId("reply").last();
+    await page.locator('[data-testid=reply][data-request-id^="req_"]').nth((await page.getByTestId("reply").count()) - 1).waitFor({ timeout: 30_000 });
+    const id = await reply.getAttribute("data-request-id");
+    await page.getByTestId("stop").click();
+    await page.getByTestId("send").waitFor({ timeout: 10_000 });
+    await reply.getByText("stopped").waitFor();
+    let state = "";
+    for (let i = 0; i < 50 && state !== "cancelled"; i++) {
+      state = (await (await fetch(`${server.url}/v1/requests/${id}`)).json()).state;
+      if (state !== "cancelled") await new Promise((r) => setTimeout(r, 100));
+    }
+    assert.equal(state, "cancelled", `request ${id} on the server`);
+  });
+
+  await page.screenshot({ path: join(shots, "ui-1440x900.png") });
+  await page.setViewportSize({ width: 1024, height: 700 });
+  await page.waitForTimeout(300);
+  await page.screenshot({ path: join(shots, "ui-1024x700.png") });
+
+  await check("nothing is cut off at 1024×700", async () => {
+    const overflow = await page.evaluate(() => document.documentElement.scrollWidth - document.documentElement.clientWidth);
+    assert.ok(overflow <= 0, `the page is ${overflow}px wider than the window`);
+  });
+} finally {
+  await browser.close();
+  server.child.kill("SIGTERM");
+  rmSync(server.dir, { recursive: true, force: true });
+}
+
+const failed = results.filter(([, ok]) => !ok).length;
+console.log(`${results.length - failed} passed, ${failed} failed`);
+process.exit(failed ? 1 : 0);
