@@ -379,50 +379,46 @@ async fn send(server: &Server, clock: &Clock, shot: Shot, started: Option<tokio:
         let mut marked = false;
         while let Some(piece) = stream.next().await {
             buffer.extend_from_slice(&piece?);
-            while let Some(end) = buffer.windows(2).position(|w| w == b"\n\n") {
-                let event: Vec<u8> = buffer.drain(..end + 2).collect();
-                let text = String::from_utf8_lossy(&event);
-                for data in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
-                    if data == "[DONE]" {
-                        continue;
+            for data in complete_sse_data(&mut buffer) {
+                if data == "[DONE]" {
+                    continue;
+                }
+                let chunk: Value = serde_json::from_str(&data)?;
+                if let Some(e) = chunk.get("error") {
+                    record.error = Some(e["message"].as_str().unwrap_or("stream error").to_string());
+                    continue;
+                }
+                let h = &chunk["headroom"];
+                if let Some(id) = h["request_id"].as_str() {
+                    record.request_id = Some(id.to_string());
+                    if let Some(tx) = started.take() {
+                        let _ = tx.send(id.to_string());
                     }
-                    let chunk: Value = serde_json::from_str(data)?;
-                    if let Some(e) = chunk.get("error") {
-                        record.error = Some(e["message"].as_str().unwrap_or("stream error").to_string());
-                        continue;
+                }
+                if h["degraded"] == true || h["notice"].is_string() {
+                    marked = true;
+                }
+                if let Some(d) = h["device"].as_str() {
+                    record.device = Some(d.to_string());
+                }
+                if h["failovers"].is_array() {
+                    // The last chunk carries the whole `headroom` object.
+                    record.degraded = h["degraded"] == true;
+                    record.failovers = h["failovers"].as_array().map(Vec::len).unwrap_or(0);
+                    record.queued_ms = h["queued_ms"].as_f64();
+                }
+                let choice = &chunk["choices"][0];
+                if let Some(t) = choice["delta"]["content"].as_str().filter(|t| !t.is_empty()) {
+                    record.first_token_ms.get_or_insert(t0.elapsed().as_secs_f64() * 1000.0);
+                    record.text.push_str(t);
+                    chunks += 1;
+                    if shot.disconnect_after_chunks.is_some_and(|n| chunks >= n) {
+                        record.intended_cancel = true;
+                        return Ok(()); // dropping the stream hangs up
                     }
-                    let h = &chunk["headroom"];
-                    if let Some(id) = h["request_id"].as_str() {
-                        record.request_id = Some(id.to_string());
-                        if let Some(tx) = started.take() {
-                            let _ = tx.send(id.to_string());
-                        }
-                    }
-                    if h["degraded"] == true || h["notice"].is_string() {
-                        marked = true;
-                    }
-                    if let Some(d) = h["device"].as_str() {
-                        record.device = Some(d.to_string());
-                    }
-                    if h["failovers"].is_array() {
-                        // The last chunk carries the whole `headroom` object.
-                        record.degraded = h["degraded"] == true;
-                        record.failovers = h["failovers"].as_array().map(Vec::len).unwrap_or(0);
-                        record.queued_ms = h["queued_ms"].as_f64();
-                    }
-                    let choice = &chunk["choices"][0];
-                    if let Some(t) = choice["delta"]["content"].as_str().filter(|t| !t.is_empty()) {
-                        record.first_token_ms.get_or_insert(t0.elapsed().as_secs_f64() * 1000.0);
-                        record.text.push_str(t);
-                        chunks += 1;
-                        if shot.disconnect_after_chunks.is_some_and(|n| chunks >= n) {
-                            record.intended_cancel = true;
-                            return Ok(()); // dropping the stream hangs up
-                        }
-                    }
-                    if choice["finish_reason"].is_string() {
-                        record.completed = record.error.is_none();
-                    }
+                }
+                if choice["finish_reason"].is_string() {
+                    record.completed = record.error.is_none();
                 }
             }
         }
@@ -599,11 +595,8 @@ fn watch(server: &Server, server_pid: u32, clock: Clock, timeline: SharedTimelin
             };
             let Some(Ok(piece)) = piece else { return };
             buffer.extend_from_slice(&piece);
-            while let Some(end) = buffer.windows(2).position(|w| w == b"\n\n") {
-                let event: Vec<u8> = buffer.drain(..end + 2).collect();
-                let text = String::from_utf8_lossy(&event);
-                let Some(data) = text.lines().find_map(|l| l.strip_prefix("data: ")) else { continue };
-                let Ok(v) = serde_json::from_str::<Value>(data) else { continue };
+            for data in complete_sse_data(&mut buffer) {
+                let Ok(v) = serde_json::from_str::<Value>(&data) else { continue };
                 if v["event"] == "breaker_changed" {
                     let s = |k: &str| v[k].as_str().unwrap_or_default().to_string();
                     t2.lock().unwrap().breaker.push((c2.ms(), s("from"), s("to")));
@@ -1242,10 +1235,21 @@ fn breaker_open_spans(changes: &[(f64, String, String)]) -> Vec<f64> {
     spans
 }
 
+/// Takes every complete server-sent event out of `buffer` and returns their `data` payloads;
+/// a partial event stays for the next read.
+fn complete_sse_data(buffer: &mut Vec<u8>) -> Vec<String> {
+    let mut out = Vec::new();
+    while let Some(end) = buffer.windows(2).position(|w| w == b"\n\n") {
+        let event: Vec<u8> = buffer.drain(..end + 2).collect();
+        out.extend(String::from_utf8_lossy(&event).lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_string));
+    }
+    out
+}
+
 /// Tool call ids in an SSE chat stream.
 fn stream_tool_calls(text: &str) -> Vec<String> {
-    text.lines()
-        .filter_map(|l| l.strip_prefix("data: "))
+    complete_sse_data(&mut text.as_bytes().to_vec())
+        .iter()
         .filter_map(|d| serde_json::from_str::<Value>(d).ok())
         .flat_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array().cloned().unwrap_or_default())
         .filter_map(|c| c["id"].as_str().map(str::to_string))
@@ -1261,6 +1265,13 @@ mod tests {
         let c = |at: f64, from: &str, to: &str| (at, from.to_string(), to.to_string());
         let changes = [c(10.0, "closed", "open"), c(20.0, "open", "half_open"), c(25.0, "half_open", "open"), c(40.0, "half_open", "closed"), c(50.0, "closed", "open")];
         assert_eq!(breaker_open_spans(&changes), vec![30.0], "a span ends only at closed; the last is still open");
+    }
+
+    #[test]
+    fn sse_events_are_taken_whole_and_a_partial_one_waits() {
+        let mut buffer = b"event: a\ndata: {\"x\":1}\n\ndata: [DONE]\n\ndata: {\"par".to_vec();
+        assert_eq!(complete_sse_data(&mut buffer), vec!["{\"x\":1}".to_string(), "[DONE]".to_string()]);
+        assert_eq!(buffer, b"data: {\"par");
     }
 
     #[test]
