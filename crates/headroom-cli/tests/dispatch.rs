@@ -301,3 +301,41 @@ async fn queued_gpu_requests_start_only_when_their_memory_is_free() {
     assert!(ends.iter().filter(|c| c.outcome.device == "sim").count() >= 2, "waiting for GPU memory, not sent away at once: {:?}", ends.iter().map(|c| &c.outcome.device).collect::<Vec<_>>());
     d.supervisor().shutdown().await;
 }
+
+/// GPU-queued requests whose memory does not free within the queue wait move to the CPU queue
+/// (one CPU slot: they take turns there), and every one finishes, marked degraded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_requests_whose_memory_never_frees_in_time_take_turns_on_the_cpu() {
+    use headroom_memory::footprint::{ModelShape, MIB};
+    use headroom_memory::RequestShape;
+    let bundle = ModelBundle::open(model_dir()).unwrap();
+    let burst: Vec<Submission> = (0..4).map(|i| submission(&format!("m{i}"), "In the beginning God created", 24, None)).collect();
+    let memory = MemoryConfig { vram_reserve_mib: Some(64), max_queue_wait_ms: 300, ..MemoryConfig::default() };
+    let (planner, _) = headroom_memory::planner_for(&bundle, "cpu", memory.clone());
+    let r = &burst[0].run.request;
+    let needs = planner.footprint(RequestShape { prompt_tokens: r.prompt_tokens.len() as u64, max_tokens: 24, prefill_chunk: r.prefill_chunk as u64 }).request_bytes();
+    let weights = ModelShape::from_config(&bundle.config).weights_bytes();
+    let mut config = supervisor_config(true);
+    config.gpu.as_mut().unwrap().sim_vram_mib = (weights + needs * 3 / 2) / MIB + 64;
+    let supervisor = Supervisor::start(config).await.unwrap();
+    let d = Dispatcher::start(supervisor, Journal::in_memory().unwrap(), planner, memory, QueueConfig::default()).unwrap().0;
+    d.submit(submission("warm", "In the beginning God created", 24, None)).unwrap().finish().await.unwrap();
+    // The GPU's one request now outlasts the others' queue wait.
+    d.supervisor().inject_fault(Fault::Slowdown { factor: 8.0 }).await.unwrap();
+    let tickets: Vec<_> = burst.into_iter().map(|s| d.submit(s).unwrap()).collect();
+    let mut ends = Vec::new();
+    for t in tickets {
+        ends.push(t.finish().await.expect("every request finishes"));
+    }
+    assert!(ends.iter().all(|c| c.outcome.tokens.len() == 24));
+    let moved: Vec<_> = ends.iter().filter(|c| c.outcome.device == "cpu").collect();
+    assert!(!moved.is_empty(), "some waited past the queue wait: {:?}", ends.iter().map(|c| &c.outcome.device).collect::<Vec<_>>());
+    for c in &moved {
+        assert!(c.outcome.degraded);
+        assert!(c.outcome.degraded_reason.as_deref().unwrap_or("").contains("GPU memory that did not free"), "{:?}", c.outcome.degraded_reason);
+        let states = states(d.journal(), &c.outcome.request_id);
+        assert_eq!(states.iter().filter(|s| **s == RequestState::Queued).count(), 2, "queued for the GPU, then for the CPU: {states:?}");
+    }
+    d.supervisor().inject_fault(Fault::Clear).await.unwrap();
+    d.supervisor().shutdown().await;
+}

@@ -703,6 +703,41 @@ impl Dispatcher {
         Ok(Ticket { request_id: ticket_id, device_queue: lane.device.into(), admission: ticket_admission, tokens, done, cancel: Some(cancel) })
     }
 
+    /// A GPU-queued request whose memory never came joins the CPU queue like a CPU admission:
+    /// a CPU slot and a host-RAM reservation, or a capacity failure the client may retry.
+    async fn move_to_cpu(&self, sub: Submission, attempt: u32, cancel: CancelSignal, tokens: mpsc::UnboundedSender<StreamedToken>, why: String) -> Result<Completion, Ended> {
+        let inner = &self.inner;
+        let id = sub.run.request_id.clone();
+        let shape = RequestShape {
+            prompt_tokens: sub.run.request.prompt_tokens.len() as u64,
+            max_tokens: sub.run.request.max_tokens as u64,
+            prefill_chunk: sub.run.request.prefill_chunk as u64,
+        };
+        let fail = |reason: String| {
+            let _ = inner.journal.record(&id, &Transition::Failed { kind: "capacity".into(), detail: reason.clone(), resumable: true });
+            self.count_end("cpu", "failed");
+            Err(Ended::Failed { reason, resumable: true })
+        };
+        let lane = &inner.cpu;
+        if lane.waiting.fetch_add(1, Ordering::SeqCst) >= lane.capacity {
+            lane.waiting.fetch_sub(1, Ordering::SeqCst);
+            return fail(format!("{why}, and the CPU queue is full ({} waiting); retry later", lane.capacity));
+        }
+        let host = match inner.host_ledger.try_reserve(&id, inner.planner.footprint(shape).request_bytes()) {
+            Ok(r) => r,
+            Err(e) => {
+                lane.waiting.fetch_sub(1, Ordering::SeqCst);
+                return fail(format!("{why}, and not enough host RAM for the CPU path: {e}"));
+            }
+        };
+        lane.join(&id, shape.prompt_tokens, shape.max_tokens);
+        let _ = inner.journal.record(&id, &Transition::Queued { device: lane.device.into() });
+        self.queue_changed(lane);
+        let result = Box::pin(self.execute(sub, attempt, false, None, cancel, tokens, why)).await;
+        drop(host);
+        result
+    }
+
     async fn execute(
         &self,
         sub: Submission,
@@ -733,8 +768,8 @@ impl Dispatcher {
             return Err(Ended::Cancelled);
         };
         // A request queued for the GPU starts only when its memory is there: a free slot is not
-        // free memory. If it does not come within the queue wait, the request goes to the CPU.
-        let mut gave_up_gpu: Option<String> = None;
+        // free memory. If it does not come within the queue wait, the request moves to the CPU
+        // queue.
         if on_gpu && gpu_grant.is_none() {
             let needs = inner.planner.footprint(RequestShape { prompt_tokens, max_tokens, prefill_chunk: sub.run.request.prefill_chunk as u64 }).request_bytes();
             let max_wait = Duration::from_millis(sub.allow.max_wait_ms.unwrap_or(inner.memory.max_queue_wait_ms));
@@ -756,8 +791,11 @@ impl Dispatcher {
                         self.queue_changed(lane);
                         return Err(Ended::Failed { reason, resumable: true });
                     }
-                    gave_up_gpu = Some(format!("waited {} ms for GPU memory that did not free; ran on the CPU", queued_at.elapsed().as_millis()));
-                    break;
+                    let why = format!("waited {} ms for GPU memory that did not free", queued_at.elapsed().as_millis());
+                    drop(_permit);
+                    lane.leave(prompt_tokens, max_tokens);
+                    self.queue_changed(lane);
+                    return self.move_to_cpu(sub, attempt, cancel, tokens, why).await;
                 }
                 tokio::select! {
                     _ = tokio::time::sleep(Duration::from_millis(20)) => {}
@@ -774,8 +812,7 @@ impl Dispatcher {
         let queued_ms = queued_at.elapsed().as_secs_f64() * 1000.0;
         lane.running.fetch_add(1, Ordering::SeqCst);
         self.queue_changed(lane);
-        let on_gpu_now = on_gpu && gave_up_gpu.is_none();
-        let device = if on_gpu_now { inner.supervisor.config().gpu.as_ref().map(|g| g.device.label()).unwrap_or_default() } else { "cpu".into() };
+        let device = if on_gpu { inner.supervisor.config().gpu.as_ref().map(|g| g.device.label()).unwrap_or_default() } else { "cpu".into() };
         let _ = inner.journal.record(&id, &Transition::Running { device, attempt });
         let started = Instant::now();
         let mut first = true;
@@ -783,7 +820,7 @@ impl Dispatcher {
         let journal = &inner.journal;
         let result = inner
             .supervisor
-            .run_cancellable(sub.run, if on_gpu_now { Target::Auto } else { Target::Cpu }, &cancel, |t| {
+            .run_cancellable(sub.run, if on_gpu { Target::Auto } else { Target::Cpu }, &cancel, |t| {
                 if stream && first {
                     // From here on a replay from the start would show the client text twice.
                     let _ = journal.record_delivered(&id, 1);
@@ -799,12 +836,11 @@ impl Dispatcher {
         let metrics = &inner.metrics;
         match result {
             Ok(mut outcome) => {
-                if !on_gpu_now && inner.supervisor.config().gpu.is_some() && !outcome.degraded {
+                if !on_gpu && inner.supervisor.config().gpu.is_some() && !outcome.degraded {
                     // Admission (or a wait for GPU memory) sent it to the CPU: slower than the
                     // client would expect, so say so.
                     outcome.degraded = true;
-                    let why = gave_up_gpu.clone().unwrap_or_else(|| admission.clone());
-                    outcome.degraded_reason = Some(format!("served by the CPU worker: {why}"));
+                    outcome.degraded_reason = Some(format!("served by the CPU worker: {admission}"));
                 }
                 let finishing_lane = if outcome.device == "cpu" { &inner.cpu } else { &inner.gpu };
                 if outcome.failovers.is_empty() {
