@@ -290,6 +290,13 @@ struct InFlight {
     cancel: CancelSignal,
 }
 
+/// Why a request could not join a queue.
+struct LaneRefusal {
+    reason: String,
+    retry_after_s: u64,
+    estimated_delay_ms: Option<u64>,
+}
+
 /// What cancelling a request by id did.
 #[derive(Debug, Clone, PartialEq)]
 pub enum CancelOutcome {
@@ -546,7 +553,9 @@ impl Dispatcher {
         }
     }
 
-    fn gpu_budget(&self) -> Option<Budget> {
+    /// The GPU budget admission uses now (None without a healthy GPU): total, the reserve kept
+    /// for other programs, weights, what requests hold, observed free memory.
+    pub fn gpu_budget(&self) -> Option<Budget> {
         let s = &self.inner.supervisor;
         if s.config().gpu.is_none() || s.status().degraded {
             return None;
@@ -564,12 +573,6 @@ impl Dispatcher {
             held_bytes: reading.reserved_bytes.max(granted),
             observed_free_bytes: reading.used_bytes.map(|u| total.saturating_sub(u).saturating_sub(unseen)),
         })
-    }
-
-    /// The GPU budget admission uses now (None without a healthy GPU): total, the reserve kept
-    /// for other programs, weights, what requests hold, observed free memory.
-    pub fn gpu_budget_now(&self) -> Option<Budget> {
-        self.gpu_budget()
     }
 
     /// Reserves `bytes` of GPU memory if the budget has them now.
@@ -652,38 +655,12 @@ impl Dispatcher {
                 ));
             }
         }
-        // Bounded: a full queue is a capacity error now, never unbounded growth.
-        if lane.waiting.fetch_add(1, Ordering::SeqCst) >= lane.capacity {
-            lane.waiting.fetch_sub(1, Ordering::SeqCst);
-            let delay = lane.estimated_delay_ms();
-            return Err(refuse(
-                format!(
-                    "the {} queue is full ({} waiting){}; retry later",
-                    lane.device,
-                    lane.capacity,
-                    delay.map(|d| format!(", estimated delay {d} ms")).unwrap_or_default()
-                ),
-                Some(delay.map(|d| d.div_ceil(1000)).unwrap_or(1).max(1)),
-                delay,
-            ));
-        }
-        // The CPU path reserves host RAM for the request's footprint for as long as it runs.
-        let host_reservation = if on_gpu {
-            None
-        } else {
-            let bytes = self.inner.planner.footprint(shape).request_bytes();
-            match self.inner.host_ledger.try_reserve(&id, bytes) {
-                Ok(r) => Some(r),
-                Err(e) => {
-                    lane.waiting.fetch_sub(1, Ordering::SeqCst);
-                    return Err(refuse(format!("not enough host RAM for the CPU path: {e}"), Some(5), None));
-                }
-            }
-        };
         let shape = RequestShape { max_tokens: sub.run.request.max_tokens as u64, ..shape };
-        lane.join(&id, shape.prompt_tokens, shape.max_tokens);
+        let host_reservation = match self.enter_lane(lane, &id, shape) {
+            Ok(r) => r,
+            Err(LaneRefusal { reason, retry_after_s, estimated_delay_ms }) => return Err(refuse(reason, Some(retry_after_s), estimated_delay_ms)),
+        };
         journal.record(&id, &Transition::Queued { device: lane.device.into() })?;
-        self.queue_changed(lane);
 
         let (token_tx, tokens) = mpsc::unbounded_channel();
         let (done_tx, done) = watch::channel(None);
@@ -703,6 +680,40 @@ impl Dispatcher {
         Ok(Ticket { request_id: ticket_id, device_queue: lane.device.into(), admission: ticket_admission, tokens, done, cancel: Some(cancel) })
     }
 
+    /// Puts a request in `lane`'s bounded queue: a full queue is a refusal now, never unbounded
+    /// growth, and the CPU path also reserves host RAM for the request's footprint for as long
+    /// as it runs (returned; dropping it gives the RAM back).
+    fn enter_lane(&self, lane: &Lane, id: &str, shape: RequestShape) -> Result<Option<Reservation>, LaneRefusal> {
+        if lane.waiting.fetch_add(1, Ordering::SeqCst) >= lane.capacity {
+            lane.waiting.fetch_sub(1, Ordering::SeqCst);
+            let delay = lane.estimated_delay_ms();
+            return Err(LaneRefusal {
+                reason: format!(
+                    "the {} queue is full ({} waiting){}; retry later",
+                    lane.device,
+                    lane.capacity,
+                    delay.map(|d| format!(", estimated delay {d} ms")).unwrap_or_default()
+                ),
+                retry_after_s: delay.map(|d| d.div_ceil(1000)).unwrap_or(1).max(1),
+                estimated_delay_ms: delay,
+            });
+        }
+        let host_reservation = if lane.device == "cpu" {
+            match self.inner.host_ledger.try_reserve(id, self.inner.planner.footprint(shape).request_bytes()) {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    lane.waiting.fetch_sub(1, Ordering::SeqCst);
+                    return Err(LaneRefusal { reason: format!("not enough host RAM for the CPU path: {e}"), retry_after_s: 5, estimated_delay_ms: None });
+                }
+            }
+        } else {
+            None
+        };
+        lane.join(id, shape.prompt_tokens, shape.max_tokens);
+        self.queue_changed(lane);
+        Ok(host_reservation)
+    }
+
     /// A GPU-queued request whose memory never came joins the CPU queue like a CPU admission:
     /// a CPU slot and a host-RAM reservation, or a capacity failure the client may retry.
     async fn move_to_cpu(&self, sub: Submission, attempt: u32, cancel: CancelSignal, tokens: mpsc::UnboundedSender<StreamedToken>, why: String) -> Result<Completion, Ended> {
@@ -718,21 +729,11 @@ impl Dispatcher {
             self.count_end("cpu", "failed");
             Err(Ended::Failed { reason, resumable: true })
         };
-        let lane = &inner.cpu;
-        if lane.waiting.fetch_add(1, Ordering::SeqCst) >= lane.capacity {
-            lane.waiting.fetch_sub(1, Ordering::SeqCst);
-            return fail(format!("{why}, and the CPU queue is full ({} waiting); retry later", lane.capacity));
-        }
-        let host = match inner.host_ledger.try_reserve(&id, inner.planner.footprint(shape).request_bytes()) {
+        let host = match self.enter_lane(&inner.cpu, &id, shape) {
             Ok(r) => r,
-            Err(e) => {
-                lane.waiting.fetch_sub(1, Ordering::SeqCst);
-                return fail(format!("{why}, and not enough host RAM for the CPU path: {e}"));
-            }
+            Err(refusal) => return fail(format!("{why}, and {}", refusal.reason)),
         };
-        lane.join(&id, shape.prompt_tokens, shape.max_tokens);
-        let _ = inner.journal.record(&id, &Transition::Queued { device: lane.device.into() });
-        self.queue_changed(lane);
+        let _ = inner.journal.record(&id, &Transition::Queued { device: inner.cpu.device.into() });
         let result = Box::pin(self.execute(sub, attempt, false, None, cancel, tokens, why)).await;
         drop(host);
         result

@@ -498,7 +498,7 @@ fn status_body(state: &AppState) -> StatusBody {
         bundle_hash: c.map(|w| w.bundle_hash.clone()),
     });
     let gpu_reading = supervisor.gpu_worker().and_then(|w| w.memory().borrow().clone());
-    let budget = d.gpu_budget_now();
+    let budget = d.gpu_budget();
     let memory = json!({
         "gpu": gpu_reading,
         // What admission works with: the reserve kept free for other programs, and what
