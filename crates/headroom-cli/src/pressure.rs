@@ -891,6 +891,8 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
         if sim {
             let mut fault_at = 0.0;
             for i in 0..n {
+                // Three OOMs open the breaker: the next fault waits for the restored worker.
+                server.wait_gpu_restored(&clock, Duration::from_secs(60)).await?;
                 mark(&timeline, &clock, "OOM before generation");
                 fault_at = clock.ms();
                 server.fault(json!({"fault": "oom_next_allocation"})).await?;
@@ -898,6 +900,7 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
             }
             recoveries.push(restore_after(&server, &clock, "oom_before_generation", stream, fault_at).await);
             for i in 0..n {
+                server.wait_gpu_restored(&clock, Duration::from_secs(60)).await?;
                 mark(&timeline, &clock, "OOM mid-generation");
                 fault_at = clock.ms();
                 server.fault(json!({"fault": "oom_after_tokens", "tokens": max_tokens / 2})).await?;
