@@ -175,9 +175,11 @@ fn measure_calibration(
     shape: &ModelShape,
 ) -> Result<(Calibration, Vec<WorkspaceSample>)> {
     let context = shape.context as usize;
-    let points: Vec<(usize, usize)> = [(24, 24), (40, 160), (96, 96), (200, 200), (72, 400)]
+    // Small points find the floor (a stage that does not grow with the request); the large
+    // ones put attention's score matrices above it so its growth can be fitted.
+    let points: Vec<(usize, usize)> = [(24, 24), (40, 160), (96, 96), (200, 200), (72, 400), (128, 700), (192, 1000), (256, 1000)]
         .into_iter()
-        .filter(|&(_, l)| l + 1 <= context)
+        .filter(|&(_, l)| l < context)
         .collect();
     let mut samples = Vec::new();
     for (chunk, len) in points {
@@ -187,7 +189,8 @@ fn measure_calibration(
         let rope = (2 * tokens * shape.head_dim * shape.dtype_bytes) as f64;
         samples.push(WorkspaceSample {
             chunk: chunk as u64,
-            attended: len as u64,
+            // Attention spans the whole cache: prompt and the one generated token.
+            attended: tokens,
             workspace_bytes: peak - kv - rope,
         });
     }

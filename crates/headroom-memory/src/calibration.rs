@@ -127,7 +127,7 @@ mod tests {
     fn entry(hash: &str) -> CalibrationEntry {
         CalibrationEntry {
             bundle_hash: hash.into(),
-            calibration: Calibration { score_factor: 1.5, token_factor: 2.0, fixed_bytes: 1000.0 },
+            calibration: Calibration { score_factor: 1.5, token_factor: 2.0, fixed_bytes: 1000.0, floor_bytes: 0.0 },
             samples: vec![],
             fit_error_percent: 0.5,
             headroom_version: "test".into(),

@@ -55,11 +55,18 @@ impl ModelShape {
 /// `score_factor × heads·c·l·dtype + token_factor × c·(hidden + intermediate)·dtype + fixed`.
 /// The factors count how many such buffers are alive at the peak; [`Calibration::fit`] measures
 /// them for a model instead of guessing.
+///
+/// The peak is the larger of two stages, not their sum: a stage that does not grow with the
+/// request (the output head's logits, say) sets `floor_bytes`, and attention's score matrices
+/// take over above it. A linear fit through both regimes was 35% low on long requests.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Calibration {
     pub score_factor: f64,
     pub token_factor: f64,
     pub fixed_bytes: f64,
+    /// The workspace never falls below this (0 in calibrations written before it existed).
+    #[serde(default)]
+    pub floor_bytes: f64,
 }
 
 impl Default for Calibration {
@@ -70,6 +77,7 @@ impl Default for Calibration {
             score_factor: 3.0,
             token_factor: 6.0,
             fixed_bytes: 0.0,
+            floor_bytes: 0.0,
         }
     }
 }
@@ -92,12 +100,40 @@ impl Calibration {
 
     pub fn workspace_bytes(&self, shape: &ModelShape, chunk: u64, attended: u64) -> u64 {
         let (score, token) = Self::terms(shape, chunk, attended);
-        (self.score_factor * score + self.token_factor * token + self.fixed_bytes).max(0.0) as u64
+        (self.score_factor * score + self.token_factor * token + self.fixed_bytes).max(self.floor_bytes).max(0.0) as u64
     }
 
-    /// Least-squares fit of the three factors to measured samples (at least three, spanning
-    /// different chunk and length mixes). Falls back to the default when the system is singular.
+    /// Fits the two-stage model to measured samples. The smallest sample is the floor; samples
+    /// clearly above it (5%) are in attention's regime and get a least-squares fit of the
+    /// linear part (three or more samples: all three factors; two: score factor and constant).
+    /// With fewer, the linear part stays the analytic default, which over-predicts: safe.
     pub fn fit(shape: &ModelShape, samples: &[WorkspaceSample]) -> Self {
+        let floor = samples.iter().map(|s| s.workspace_bytes).fold(f64::INFINITY, f64::min);
+        if !floor.is_finite() {
+            return Self::default();
+        }
+        let above: Vec<WorkspaceSample> = samples.iter().copied().filter(|s| s.workspace_bytes > floor * 1.05).collect();
+        let linear = match above.len() {
+            0 | 1 => Self::default(),
+            2 => {
+                let (p, q) = (above[0], above[1]);
+                let (sp, _) = Self::terms(shape, p.chunk, p.attended);
+                let (sq, _) = Self::terms(shape, q.chunk, q.attended);
+                if (sq - sp).abs() < 1.0 {
+                    Self::default()
+                } else {
+                    let a = ((q.workspace_bytes - p.workspace_bytes) / (sq - sp)).max(0.0);
+                    Self { score_factor: a, token_factor: 0.0, fixed_bytes: p.workspace_bytes - a * sp, floor_bytes: 0.0 }
+                }
+            }
+            _ => Self::fit_linear(shape, &above),
+        };
+        Self { floor_bytes: floor, ..linear }
+    }
+
+    /// Least-squares fit of the three linear factors (at least three samples, spanning different
+    /// chunk and length mixes). Falls back to the default when the system is singular.
+    fn fit_linear(shape: &ModelShape, samples: &[WorkspaceSample]) -> Self {
         // Normal equations for y = a·s + b·t + c.
         let mut m = [[0.0f64; 3]; 3];
         let mut v = [0.0f64; 3];
@@ -116,6 +152,7 @@ impl Calibration {
                 score_factor: a.max(0.0),
                 token_factor: b.max(0.0),
                 fixed_bytes: c,
+                floor_bytes: 0.0,
             },
             _ => Self::default(),
         }
@@ -172,8 +209,9 @@ impl Footprint {
         let tokens = request.prompt_tokens + request.max_tokens;
         let kv_bytes = shape.kv_bytes_per_token() * tokens;
         let chunk = request.prefill_chunk.clamp(1, request.prompt_tokens.max(1));
-        // The last prefill chunk attends to the whole prompt: the largest score matrix.
-        let workspace_prefill = calibration.workspace_bytes(shape, chunk, request.prompt_tokens);
+        // Attention spans the cache's whole capacity (prompt + max_tokens, unwritten slots
+        // masked), so every prefill chunk's score matrix is chunk × capacity.
+        let workspace_prefill = calibration.workspace_bytes(shape, chunk, tokens);
         let workspace_decode = calibration.workspace_bytes(shape, 1, tokens);
         // Rotary tables for every position of the request: cos and sin.
         let rope = 2 * tokens * shape.head_dim * shape.dtype_bytes;
@@ -244,7 +282,7 @@ mod tests {
     #[test]
     fn calibration_fit_recovers_known_factors() {
         let s = shape();
-        let truth = Calibration { score_factor: 2.5, token_factor: 7.0, fixed_bytes: 12345.0 };
+        let truth = Calibration { score_factor: 2.5, token_factor: 7.0, fixed_bytes: 12345.0, floor_bytes: 0.0 };
         let samples: Vec<WorkspaceSample> = [(16, 64), (64, 64), (64, 512), (256, 512), (128, 1024)]
             .iter()
             .map(|&(c, l)| WorkspaceSample {
@@ -256,5 +294,33 @@ mod tests {
         let fit = Calibration::fit(&s, &samples);
         assert!((fit.score_factor - 2.5).abs() < 1e-3, "{fit:?}");
         assert!((fit.token_factor - 7.0).abs() < 1e-3, "{fit:?}");
+    }
+
+    #[test]
+    fn a_floor_stage_and_attention_above_it_are_both_recovered() {
+        let s = shape();
+        // A logits-like stage that small requests never exceed; attention above it.
+        let attention = Calibration { score_factor: 2.2, token_factor: 0.0, fixed_bytes: 230_000.0, floor_bytes: 0.0 };
+        let floor = attention.workspace_bytes(&s, 128, 400) as f64;
+        let truth = Calibration { floor_bytes: floor, ..attention };
+        let points = [(24, 24), (40, 160), (96, 96), (200, 200), (128, 700), (256, 1000), (192, 1000)];
+        let samples: Vec<WorkspaceSample> = points
+            .iter()
+            .map(|&(c, l)| WorkspaceSample { chunk: c, attended: l, workspace_bytes: truth.workspace_bytes(&s, c, l) as f64 })
+            .collect();
+        assert!(samples.iter().filter(|x| x.workspace_bytes > floor * 1.05).count() >= 3, "the test needs points above the floor");
+        let fit = Calibration::fit(&s, &samples);
+        assert!((fit.floor_bytes - floor).abs() < 1.0, "{fit:?}");
+        for (c, l) in [(16, 16), (128, 1000), (512, 2048)] {
+            let (want, got) = (truth.workspace_bytes(&s, c, l) as f64, fit.workspace_bytes(&s, c, l) as f64);
+            assert!((got - want).abs() / want < 0.01, "({c}, {l}): fit {got} vs truth {want}: {fit:?}");
+        }
+        // What this replaced: one linear fit over points that all sit on the floor, as the old
+        // calibration points did, misses attention's growth entirely.
+        let on_the_floor: Vec<WorkspaceSample> = samples.iter().copied().filter(|x| x.workspace_bytes <= floor).collect();
+        assert!(on_the_floor.len() >= 3);
+        let linear_only = Calibration::fit_linear(&s, &on_the_floor);
+        let long = truth.workspace_bytes(&s, 512, 2048) as f64;
+        assert!((linear_only.workspace_bytes(&s, 512, 2048) as f64 - long).abs() / long > 0.05, "the linear fit alone misses it");
     }
 }
