@@ -260,29 +260,36 @@ async fn a_request_that_would_outlast_the_client_timeout_is_refused_up_front() {
     d.supervisor().shutdown().await;
 }
 
+const BURST_PROMPT: &str = "In the beginning God created";
+
+/// A dispatcher whose sim GPU has room for one and a half 24-token requests of
+/// [`BURST_PROMPT`] besides weights and a 64 MiB reserve, after one warm-up request (so the GPU
+/// lane has measured rates to estimate a wait from). The worker's memory samples are off
+/// (memory_sample_ms = 0): only the router's own accounting can see a grant.
+async fn one_request_gpu(memory: MemoryConfig) -> Dispatcher {
+    use headroom_memory::footprint::{ModelShape, MIB};
+    use headroom_memory::RequestShape;
+    let bundle = ModelBundle::open(model_dir()).unwrap();
+    let memory = MemoryConfig { vram_reserve_mib: Some(64), ..memory };
+    let (planner, _) = headroom_memory::planner_for(&bundle, "cpu", memory.clone());
+    let r = submission("probe", BURST_PROMPT, 24, None).run.request;
+    let needs = planner.footprint(RequestShape { prompt_tokens: r.prompt_tokens.len() as u64, max_tokens: 24, prefill_chunk: r.prefill_chunk as u64 }).request_bytes();
+    let weights = ModelShape::from_config(&bundle.config).weights_bytes();
+    let mut config = supervisor_config(true);
+    config.gpu.as_mut().unwrap().sim_vram_mib = (weights + needs * 3 / 2) / MIB + 64;
+    let supervisor = Supervisor::start(config).await.unwrap();
+    let d = Dispatcher::start(supervisor, Journal::in_memory().unwrap(), planner, memory, QueueConfig::default()).unwrap().0;
+    d.submit(submission("warm", BURST_PROMPT, 24, None)).unwrap().finish().await.unwrap();
+    d
+}
+
 /// A free GPU slot is not free GPU memory: on a sim GPU whose budget holds one request, a burst
 /// of four runs one at a time on it (the others wait for its memory), and all finish.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queued_gpu_requests_start_only_when_their_memory_is_free() {
-    use headroom_memory::footprint::{ModelShape, MIB};
-    use headroom_memory::RequestShape;
-    let bundle = ModelBundle::open(model_dir()).unwrap();
-    let burst: Vec<Submission> = (0..4).map(|i| submission(&format!("b{i}"), "In the beginning God created", 24, None)).collect();
-    let memory = MemoryConfig { vram_reserve_mib: Some(64), ..MemoryConfig::default() };
-    let (planner, _) = headroom_memory::planner_for(&bundle, "cpu", memory.clone());
-    let r = &burst[0].run.request;
-    let needs = planner.footprint(RequestShape { prompt_tokens: r.prompt_tokens.len() as u64, max_tokens: 24, prefill_chunk: r.prefill_chunk as u64 }).request_bytes();
-    let weights = ModelShape::from_config(&bundle.config).weights_bytes();
-    // Room for one and a half requests besides weights and reserve. The worker's memory samples
-    // are off (memory_sample_ms = 0): only the router's own accounting can see the first grant.
-    let mut config = supervisor_config(true);
-    config.gpu.as_mut().unwrap().sim_vram_mib = (weights + needs * 3 / 2) / MIB + 64;
-    let supervisor = Supervisor::start(config).await.unwrap();
-    let mut events = supervisor.subscribe();
-    let d = Dispatcher::start(supervisor, Journal::in_memory().unwrap(), planner, memory, QueueConfig::default()).unwrap().0;
-    // One request first, so that the GPU lane has measured rates to estimate a wait from.
-    d.submit(submission("warm", "In the beginning God created", 24, None)).unwrap().finish().await.unwrap();
-    while events.try_recv().is_ok() {}
+    let d = one_request_gpu(MemoryConfig::default()).await;
+    let mut events = d.supervisor().subscribe();
+    let burst: Vec<Submission> = (0..4).map(|i| submission(&format!("b{i}"), BURST_PROMPT, 24, None)).collect();
     let tickets: Vec<_> = burst.into_iter().map(|s| d.submit(s).unwrap()).collect();
     let mut ends = Vec::new();
     for t in tickets {
@@ -306,20 +313,8 @@ async fn queued_gpu_requests_start_only_when_their_memory_is_free() {
 /// (one CPU slot: they take turns there), and every one finishes, marked degraded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gpu_requests_whose_memory_never_frees_in_time_take_turns_on_the_cpu() {
-    use headroom_memory::footprint::{ModelShape, MIB};
-    use headroom_memory::RequestShape;
-    let bundle = ModelBundle::open(model_dir()).unwrap();
-    let burst: Vec<Submission> = (0..4).map(|i| submission(&format!("m{i}"), "In the beginning God created", 24, None)).collect();
-    let memory = MemoryConfig { vram_reserve_mib: Some(64), max_queue_wait_ms: 300, ..MemoryConfig::default() };
-    let (planner, _) = headroom_memory::planner_for(&bundle, "cpu", memory.clone());
-    let r = &burst[0].run.request;
-    let needs = planner.footprint(RequestShape { prompt_tokens: r.prompt_tokens.len() as u64, max_tokens: 24, prefill_chunk: r.prefill_chunk as u64 }).request_bytes();
-    let weights = ModelShape::from_config(&bundle.config).weights_bytes();
-    let mut config = supervisor_config(true);
-    config.gpu.as_mut().unwrap().sim_vram_mib = (weights + needs * 3 / 2) / MIB + 64;
-    let supervisor = Supervisor::start(config).await.unwrap();
-    let d = Dispatcher::start(supervisor, Journal::in_memory().unwrap(), planner, memory, QueueConfig::default()).unwrap().0;
-    d.submit(submission("warm", "In the beginning God created", 24, None)).unwrap().finish().await.unwrap();
+    let d = one_request_gpu(MemoryConfig { max_queue_wait_ms: 300, ..MemoryConfig::default() }).await;
+    let burst: Vec<Submission> = (0..4).map(|i| submission(&format!("m{i}"), BURST_PROMPT, 24, None)).collect();
     // The GPU's one request now outlasts the others' queue wait.
     d.supervisor().inject_fault(Fault::Slowdown { factor: 8.0 }).await.unwrap();
     let tickets: Vec<_> = burst.into_iter().map(|s| d.submit(s).unwrap()).collect();
