@@ -739,6 +739,20 @@ impl Dispatcher {
         result
     }
 
+    /// Ends a request that never left `lane`'s queue: frees its place, journals why (a queued
+    /// request fails only for capacity), counts it.
+    fn end_in_queue(&self, lane: &Lane, id: &str, prompt_tokens: u64, max_tokens: u64, ended: Ended) -> Ended {
+        lane.leave(prompt_tokens, max_tokens);
+        let (transition, outcome) = match &ended {
+            Ended::Cancelled => (Transition::Cancelled { reason: "cancelled while queued".into() }, "cancelled"),
+            Ended::Failed { reason, resumable } => (Transition::Failed { kind: "capacity".into(), detail: reason.clone(), resumable: *resumable }, "failed"),
+        };
+        let _ = self.inner.journal.record(id, &transition);
+        self.count_end(lane.device, outcome);
+        self.queue_changed(lane);
+        ended
+    }
+
     async fn execute(
         &self,
         sub: Submission,
@@ -762,11 +776,7 @@ impl Dispatcher {
         lane.waiting.fetch_sub(1, Ordering::SeqCst);
         lane.waiting_since.lock().unwrap().remove(&id);
         let Some(_permit) = permit else {
-            lane.leave(prompt_tokens, max_tokens);
-            let _ = inner.journal.record(&id, &Transition::Cancelled { reason: "cancelled while queued".into() });
-            self.count_end(lane.device, "cancelled");
-            self.queue_changed(lane);
-            return Err(Ended::Cancelled);
+            return Err(self.end_in_queue(lane, &id, prompt_tokens, max_tokens, Ended::Cancelled));
         };
         // A request queued for the GPU starts only when its memory is there: a free slot is not
         // free memory. If it does not come within the queue wait, the request moves to the CPU
@@ -785,12 +795,8 @@ impl Dispatcher {
                 if queued_at.elapsed() >= max_wait {
                     let cpu_allowed = sub.allow.cpu && inner.memory.allow_cpu_redirect;
                     if !cpu_allowed {
-                        lane.leave(prompt_tokens, max_tokens);
                         let reason = format!("GPU memory for this request did not free within {} ms, and CPU fallback is not allowed", max_wait.as_millis());
-                        let _ = inner.journal.record(&id, &Transition::Failed { kind: "capacity".into(), detail: reason.clone(), resumable: true });
-                        self.count_end(lane.device, "failed");
-                        self.queue_changed(lane);
-                        return Err(Ended::Failed { reason, resumable: true });
+                        return Err(self.end_in_queue(lane, &id, prompt_tokens, max_tokens, Ended::Failed { reason, resumable: true }));
                     }
                     let why = format!("waited {} ms for GPU memory that did not free", queued_at.elapsed().as_millis());
                     drop(_permit);
@@ -801,11 +807,7 @@ impl Dispatcher {
                 tokio::select! {
                     _ = tokio::time::sleep(Duration::from_millis(20)) => {}
                     _ = cancel.cancelled() => {
-                        lane.leave(prompt_tokens, max_tokens);
-                        let _ = inner.journal.record(&id, &Transition::Cancelled { reason: "cancelled while queued".into() });
-                        self.count_end(lane.device, "cancelled");
-                        self.queue_changed(lane);
-                        return Err(Ended::Cancelled);
+                        return Err(self.end_in_queue(lane, &id, prompt_tokens, max_tokens, Ended::Cancelled));
                     }
                 }
             }
