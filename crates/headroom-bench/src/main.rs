@@ -33,6 +33,10 @@ struct Args {
     skip_100m: bool,
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Also run Headroom's engine on CUDA device 0 (needs the `cuda` feature and a driver) and
+    /// report its speed against the CPU engine's and whether its greedy tokens match.
+    #[arg(long)]
+    cuda: bool,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -57,8 +61,14 @@ fn prompt_for(bundle: &ModelBundle, n: usize) -> Result<Vec<u32>> {
     Ok(tokens)
 }
 
-fn run_headroom(bundle: &ModelBundle, prompt: &[u32], decode: usize, runs: usize) -> Result<EngineRun> {
-    let model = bundle.load::<CpuBackend>(&Default::default(), |_, _| {})?;
+fn run_headroom<B: burn::tensor::backend::Backend>(
+    device: &B::Device,
+    bundle: &ModelBundle,
+    prompt: &[u32],
+    decode: usize,
+    runs: usize,
+) -> Result<EngineRun> {
+    let model = bundle.load::<B>(device, |_, _| {})?;
     let mut request = GenerateRequest::new(prompt.to_vec(), decode, SamplingParams::default());
     request.prefill_chunk = prompt.len();
     // Random weights may emit an EOS id early; the benchmark wants a fixed number of steps.
@@ -81,6 +91,24 @@ fn run_headroom(bundle: &ModelBundle, prompt: &[u32], decode: usize, runs: usize
         decode_tok_s: median(decode_rates),
         tokens,
     })
+}
+
+/// How many greedy tokens two runs share before they first differ.
+fn agreeing(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+#[cfg(feature = "cuda")]
+fn run_cuda(bundle: &ModelBundle, prompt: &[u32], decode: usize, runs: usize) -> Result<EngineRun> {
+    if let headroom_model::device::CudaProbe::Unavailable { reason } = headroom_model::device::probe_cuda() {
+        anyhow::bail!("--cuda: {reason}");
+    }
+    run_headroom::<burn_cuda::Cuda<f32>>(&burn_cuda::CudaDevice::new(0), bundle, prompt, decode, runs)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_cuda(_: &ModelBundle, _: &[u32], _: usize, _: usize) -> Result<EngineRun> {
+    anyhow::bail!("--cuda: this headroom-bench was built without the `cuda` feature; build with `--features cuda`")
 }
 
 fn run_candle(dir: &Path, prompt: &[u32], decode: usize, runs: usize) -> Result<EngineRun> {
@@ -156,14 +184,9 @@ fn main() -> Result<()> {
     for (name, dir) in &folders {
         let bundle = ModelBundle::open(dir).with_context(|| format!("opening {}", dir.display()))?;
         let prompt = prompt_for(&bundle, args.prompt_tokens)?;
-        let ours = run_headroom(&bundle, &prompt, args.decode_tokens, args.runs)?;
+        let ours = run_headroom::<CpuBackend>(&Default::default(), &bundle, &prompt, args.decode_tokens, args.runs)?;
         let theirs = run_candle(dir, &prompt, args.decode_tokens, args.runs)?;
-        let agree = ours
-            .tokens
-            .iter()
-            .zip(&theirs.tokens)
-            .take_while(|(a, b)| a == b)
-            .count();
+        let agree = agreeing(&ours.tokens, &theirs.tokens);
         println!(
             "{:<26} {:>10} {:>14.1} {:>14.1} {:>14.1} {:>14.1} {:>9.2} {:>9.2} {:>5}/{}",
             name,
@@ -187,6 +210,30 @@ fn main() -> Result<()> {
             "greedy_tokens_agreeing": agree,
             "blas": cfg!(feature = "blas"),
         }));
+        if args.cuda {
+            let gpu = run_cuda(&bundle, &prompt, args.decode_tokens, args.runs)?;
+            let agree_cpu = agreeing(&gpu.tokens, &ours.tokens);
+            println!(
+                "{:<26} {:>10} {:>14.1} {:>14} {:>14.1} {:>14} {:>9.2} {:>9.2} {:>5}/{}  (headroom on cuda:0; ratios and agreement against headroom on cpu)",
+                format!("  └ cuda:0"),
+                "",
+                gpu.prefill_tok_s,
+                "",
+                gpu.decode_tok_s,
+                "",
+                gpu.prefill_tok_s / ours.prefill_tok_s,
+                gpu.decode_tok_s / ours.decode_tok_s,
+                agree_cpu,
+                args.decode_tokens
+            );
+            report.push(serde_json::json!({
+                "model": name,
+                "headroom_cuda": gpu,
+                "cuda_vs_cpu_prefill": gpu.prefill_tok_s / ours.prefill_tok_s,
+                "cuda_vs_cpu_decode": gpu.decode_tok_s / ours.decode_tok_s,
+                "cuda_greedy_tokens_agreeing_with_cpu": agree_cpu,
+            }));
+        }
     }
     if let Some(path) = args.json {
         std::fs::write(&path, serde_json::to_string_pretty(&report)?)?;

@@ -313,16 +313,17 @@ fn open_bundle(model: &str) -> Result<ModelBundle> {
     ModelBundle::open(&dir).with_context(|| format!("cannot open the model in {}", dir.display()))
 }
 
-fn run_generate(args: GenerateArgs, device: DeviceChoice) -> Result<()> {
-    let bundle = open_bundle(&args.model)?;
-    let use_cuda = match device {
+/// Whether `choice` runs on CUDA: `cuda` insists (and fails with the reason when it cannot),
+/// `auto` falls back to the CPU and says why in one line. Never touches burn-cuda without a driver.
+fn use_cuda(choice: DeviceChoice) -> Result<bool> {
+    Ok(match choice {
         DeviceChoice::Cpu => false,
         DeviceChoice::Cuda | DeviceChoice::Auto => {
             let probe = probe_cuda();
-            match (&probe, device) {
+            match (&probe, choice) {
                 (headroom_model::device::CudaProbe::Available { .. }, _) => {
                     if !cfg!(feature = "cuda") {
-                        if device == DeviceChoice::Cuda {
+                        if choice == DeviceChoice::Cuda {
                             bail!("this headroom was built without the `cuda` feature; rebuild with default features");
                         }
                         eprintln!("headroom: running on CPU: this build has no CUDA support");
@@ -340,10 +341,16 @@ fn run_generate(args: GenerateArgs, device: DeviceChoice) -> Result<()> {
                 }
             }
         }
-    };
+    })
+}
+
+fn run_generate(args: GenerateArgs, device: DeviceChoice) -> Result<()> {
+    let bundle = open_bundle(&args.model)?;
+    let use_cuda = use_cuda(device)?;
     if use_cuda {
         #[cfg(feature = "cuda")]
         {
+            headroom_worker::kernel_cache::configure();
             let device = burn_cuda::CudaDevice::new(0);
             return generate_on::<burn_cuda::Cuda<f32>>(&bundle, &device, &args, "cuda:0");
         }

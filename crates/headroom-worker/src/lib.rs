@@ -2,6 +2,7 @@
 //! protocol, health answers and fault injection for `sim`. It never decides routing: the router
 //! tells it what to load and run.
 
+pub mod kernel_cache;
 pub mod protocol;
 pub mod runtime;
 pub mod sim;

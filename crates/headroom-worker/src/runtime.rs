@@ -183,8 +183,19 @@ impl State {
                 }
                 #[cfg(feature = "cuda")]
                 DeviceKind::Cuda(index) => {
+                    crate::kernel_cache::configure();
                     let device = burn_cuda::CudaDevice::new(index as usize);
-                    Ok(Engine::Cuda(bundle.load(&device, |_, _| {})?, device))
+                    let model = bundle.load(&device, |_, _| {})?;
+                    // Compile (or fetch from the kernel cache) the prefill and decode kernels now,
+                    // under the load timeout, so the first request and the breaker's restore
+                    // probe do not wait for the compiler.
+                    let started = Instant::now();
+                    let mut prompt = bundle.encode("And it came to pass", true)?;
+                    prompt.resize(prompt.len().max(8), 0);
+                    let warm_up = GenerateRequest::new(prompt, 2, Default::default());
+                    headroom_model::generate(&model, bundle, &warm_up, &CancelToken::new(), |_| {})?;
+                    tracing::info!(ms = started.elapsed().as_millis() as u64, "CUDA kernels warmed up");
+                    Ok(Engine::Cuda(model, device))
                 }
                 #[cfg(not(feature = "cuda"))]
                 DeviceKind::Cuda(_) => Err(headroom_model::Error::InvalidRequest(
@@ -519,12 +530,19 @@ fn classify_panic(panic: &Box<dyn std::any::Any + Send>) -> (FailureKind, String
         .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
         .unwrap_or_else(|| "the device panicked without a message".into());
     let lower = message.to_lowercase();
-    let kind = if lower.contains("out of memory") || lower.contains("outofmemory") || lower.contains("out_of_memory") {
-        FailureKind::Oom
+    if lower.contains("out of memory") || lower.contains("outofmemory") || lower.contains("out_of_memory") {
+        return (FailureKind::Oom, message);
+    }
+    // cubecl reports a failed allocation or launch on its device thread and hands the caller only
+    // `CallError`: say what that means instead of passing the bare unwrap message to the user.
+    let message = if lower.contains("callerror") {
+        "the CUDA runtime failed a call (cubecl CallError: an allocation or launch failed, typically \
+         GPU memory taken by another program); the GPU worker restarts clean"
+            .to_string()
     } else {
-        FailureKind::DeviceLost
+        message
     };
-    (kind, message)
+    (FailureKind::DeviceLost, message)
 }
 
 #[cfg(test)]
@@ -537,5 +555,11 @@ mod tests {
         assert_eq!(classify_panic(&oom).0, FailureKind::Oom);
         let lost: Box<dyn std::any::Any + Send> = Box::new("CUDA_ERROR_LAUNCH_FAILED");
         assert_eq!(classify_panic(&lost).0, FailureKind::DeviceLost);
+        // Seen on an H200 when another program took the VRAM between admission and allocation.
+        let call: Box<dyn std::any::Any + Send> =
+            Box::new(String::from("called `Result::unwrap()` on an `Err` value: CallError"));
+        let (kind, message) = classify_panic(&call);
+        assert_eq!(kind, FailureKind::DeviceLost);
+        assert!(message.contains("CUDA runtime failed") && message.contains("restarts"), "{message}");
     }
 }
