@@ -10,12 +10,17 @@ HEADROOM_SKIP_BUILD=1 ./scripts/install.sh
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q --disable-pip-version-check -r tests/python/requirements.txt
 
-# The browser end-to-end test drives Debian's Chromium (never a downloaded browser).
-if ! command -v chromium >/dev/null 2>&1; then
+# The browser end-to-end test drives Debian's Chromium (never a downloaded browser); the desktop
+# app needs WebKitGTK and the tray library, and its end-to-end test Xvfb, D-Bus and WebKitWebDriver.
+desktop_packages="chromium libwebkit2gtk-4.1-dev libgtk-3-dev libayatana-appindicator3-dev librsvg2-dev libxdo-dev libssl-dev pkg-config webkit2gtk-driver xvfb xauth dbus"
+if ! dpkg -s $desktop_packages >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $desktop_packages
 fi
+# tauri-driver (crates.io) bridges WebDriver to the app's WebKitWebDriver.
+export PATH="$HOME/.cargo/bin:$PATH"
+command -v tauri-driver >/dev/null 2>&1 || cargo install tauri-driver --version 2.1.0 --locked
 
 step "rust: unit and integration tests (default members, no CUDA needed)"
 cargo test
@@ -36,3 +41,10 @@ npm --prefix ui run build
 
 step "web UI end-to-end: Debian's Chromium (playwright-core) against headroom serve --gpu sim; screenshots in docs/screenshots"
 npm --prefix ui run e2e
+
+step "desktop: src-tauri builds (outside default-members) and its committed IPC bindings are current"
+cargo test -p headroom-desktop
+cargo build -p headroom-desktop
+
+step "desktop end-to-end: the app's real window under Xvfb through tauri-driver and WebKitWebDriver (chat, injected OOMs, degraded notice); screenshot in docs/screenshots"
+NO_AT_BRIDGE=1 WEBKIT_DISABLE_COMPOSITING_MODE=1 xvfb-run -a dbus-run-session -- node ui/tests/desktop.mjs

@@ -1,7 +1,10 @@
-// The one client module. Everything the UI asks of Headroom goes through a `Transport`; the
-// browser (against `headroom serve`) uses HTTP. The desktop shell's Tauri IPC transport is to
-// implement the same interface.
+// The one client module. Everything the UI asks of Headroom goes through a `Transport`: the
+// browser (against `headroom serve`) uses HTTP; the desktop window uses Tauri IPC, whose typed
+// commands (src/bindings.ts, generated from src-tauri) call the embedded server's routes
+// in-process. Both fold the server's SSE text with the same code.
 
+import { Channel } from "@tauri-apps/api/core";
+import { commands, type StreamFrame_Deserialize as Frame } from "./bindings";
 import { applyChunk, emptyReply, splitSse, type Json, type Reply } from "./logic";
 
 export interface ChatMessage {
@@ -18,6 +21,26 @@ export interface Transport {
   cancel(requestId: string): Promise<void>;
 }
 
+/** Folds a chat stream's SSE text, in whatever pieces it arrives, into the growing reply. */
+export class ChatStream {
+  reply: Reply = emptyReply();
+  private buffer = "";
+
+  push(text: string): Reply {
+    this.buffer += text;
+    const { events, rest } = splitSse(this.buffer);
+    this.buffer = rest;
+    for (const e of events) {
+      if (e.data === "[DONE]") continue;
+      this.reply = applyChunk(this.reply, JSON.parse(e.data));
+    }
+    return this.reply;
+  }
+}
+
+/** The service event names the UI follows. */
+export const EVENT_NAMES = ["status", "breaker_changed", "degraded", "worker_started", "worker_exited", "worker_restart_scheduled", "health_check_failed", "failover", "memory_sample", "queue_changed"];
+
 export class HttpTransport implements Transport {
   constructor(readonly base = "") {}
 
@@ -29,8 +52,7 @@ export class HttpTransport implements Transport {
 
   events(onEvent: (name: string, data: Json) => void): () => void {
     const source = new EventSource(`${this.base}/v1/events`);
-    const names = ["status", "breaker_changed", "degraded", "worker_started", "worker_exited", "worker_restart_scheduled", "health_check_failed", "failover", "memory_sample", "queue_changed"];
-    for (const name of names) {
+    for (const name of EVENT_NAMES) {
       source.addEventListener(name, (e) => {
         try {
           onEvent(name, JSON.parse((e as MessageEvent).data));
@@ -63,21 +85,16 @@ export class HttpTransport implements Transport {
     reply.device = response.headers.get("x-headroom-device");
     reply.requestId = response.headers.get("x-request-id");
     onReply(reply, estimatedDelayMs);
+    const stream = new ChatStream();
+    stream.reply = reply;
     const reader = response.body.getReader();
     const decoder = new TextDecoder();
-    let buffer = "";
     try {
       for (;;) {
         const { value, done } = await reader.read();
         if (done) break;
-        buffer += decoder.decode(value, { stream: true });
-        const { events, rest } = splitSse(buffer);
-        buffer = rest;
-        for (const e of events) {
-          if (e.data === "[DONE]") continue;
-          reply = applyChunk(reply, JSON.parse(e.data));
-          onReply(reply, estimatedDelayMs);
-        }
+        reply = stream.push(decoder.decode(value, { stream: true }));
+        onReply(reply, estimatedDelayMs);
       }
     } catch (e) {
       if (!signal.aborted) throw e;
@@ -91,7 +108,83 @@ export class HttpTransport implements Transport {
   }
 }
 
-/** The transport for where the UI runs. */
+let nextStreamId = 1;
+
+/** The desktop window's transport: typed Tauri commands; streams arrive through a `Channel`. */
+export class TauriTransport implements Transport {
+  async status(): Promise<Json> {
+    const r = await commands.status();
+    if (r.status === "error") throw new Error(r.error);
+    return JSON.parse(r.data);
+  }
+
+  events(onEvent: (name: string, data: Json) => void): () => void {
+    const id = nextStreamId++;
+    let buffer = "";
+    const channel = new Channel<Frame>();
+    channel.onmessage = (frame) => {
+      if (frame.kind !== "body") return;
+      const { events, rest } = splitSse(buffer + frame.text);
+      buffer = rest;
+      for (const e of events) {
+        try {
+          onEvent(e.event, JSON.parse(e.data));
+        } catch {
+          /* a malformed event is skipped, never fatal */
+        }
+      }
+    };
+    void commands.events(id, channel);
+    return () => void commands.hangUp(id);
+  }
+
+  chat(messages: ChatMessage[], options: { maxTokens: number; temperature: number }, onReply: (r: Reply, estimatedDelayMs: number | null) => void, signal: AbortSignal): Promise<Reply> {
+    const id = nextStreamId++;
+    const stream = new ChatStream();
+    let estimatedDelayMs: number | null = null;
+    return new Promise<Reply>((resolve, reject) => {
+      const finish = (r: Reply) => resolve(signal.aborted && !r.done ? { ...r, cancelled: true, done: true } : r);
+      const channel = new Channel<Frame>();
+      channel.onmessage = (frame) => {
+        switch (frame.kind) {
+          case "head":
+            if (frame.error) return resolve({ ...stream.reply, done: true, error: frame.error });
+            stream.reply = { ...stream.reply, device: frame.device ?? null, requestId: frame.request_id ?? null };
+            estimatedDelayMs = frame.estimated_delay_ms ?? null;
+            onReply(stream.reply, estimatedDelayMs);
+            break;
+          case "body":
+            try {
+              onReply(stream.push(frame.text), estimatedDelayMs);
+            } catch (e) {
+              reject(e);
+            }
+            break;
+          case "failed":
+            finish({ ...stream.reply, done: true, error: frame.message });
+            break;
+          case "end":
+            finish(stream.reply);
+            break;
+        }
+      };
+      // Hanging up drops the stream in the shell, which the server treats as a client hang-up.
+      signal.addEventListener("abort", () => void commands.hangUp(id));
+      commands
+        .chat({ messages, max_tokens: options.maxTokens, temperature: options.temperature }, id, channel)
+        .then((r) => {
+          if (r.status === "error") finish({ ...stream.reply, done: true, error: r.error });
+        }, reject);
+    });
+  }
+
+  async cancel(requestId: string): Promise<void> {
+    const r = await commands.cancel(requestId);
+    if (r.status === "error") throw new Error(r.error);
+  }
+}
+
+/** The transport for where the UI runs: IPC inside the desktop app, HTTP in a browser. */
 export function defaultTransport(): Transport {
-  return new HttpTransport("");
+  return "__TAURI_INTERNALS__" in window ? new TauriTransport() : new HttpTransport("");
 }

@@ -21,6 +21,7 @@ use serde_json::{json, Value};
 use tokio::io::AsyncBufReadExt;
 
 use crate::pressure_report;
+use crate::sse::complete_sse_data;
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -1236,17 +1237,6 @@ fn breaker_open_spans(changes: &[(f64, String, String)]) -> Vec<f64> {
         }
     }
     spans
-}
-
-/// Takes every complete server-sent event out of `buffer` and returns their `data` payloads;
-/// a partial event stays for the next read.
-fn complete_sse_data(buffer: &mut Vec<u8>) -> Vec<String> {
-    let mut out = Vec::new();
-    while let Some(end) = buffer.windows(2).position(|w| w == b"\n\n") {
-        let event: Vec<u8> = buffer.drain(..end + 2).collect();
-        out.extend(String::from_utf8_lossy(&event).lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_string));
-    }
-    out
 }
 
 /// Tool call ids in an SSE chat stream.

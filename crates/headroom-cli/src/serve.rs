@@ -97,7 +97,39 @@ fn gpu_worker(choice: GpuChoice, sim_vram_mib: u64) -> Result<Option<WorkerOptio
     }
 }
 
+/// What an embedding app (the desktop shell) gets once the server listens.
+#[derive(Clone)]
+pub struct Running {
+    /// Where the HTTP API and the web UI listen.
+    pub addr: std::net::SocketAddr,
+    /// The same routes, for in-process calls (`tower::ServiceExt::oneshot`), no socket involved.
+    pub app: axum::Router,
+    /// Whether the GPU worker is the simulated one (fault injection at /admin/sim/fault).
+    pub simulated_gpu: bool,
+}
+
+/// `headroom serve`: runs until Ctrl-C or SIGTERM.
 pub fn serve(args: ServeArgs) -> Result<()> {
+    serve_until(args, |_| {}, shutdown_signal())
+}
+
+/// Runs the server on its own tokio runtime until `stop` completes.
+pub fn serve_until(
+    args: ServeArgs,
+    on_ready: impl FnOnce(Running) + Send,
+    stop: impl std::future::Future<Output = ()> + Send,
+) -> Result<()> {
+    tokio::runtime::Runtime::new()?.block_on(serve_async(args, on_ready, stop))
+}
+
+/// Runs the server on the caller's runtime until `stop` completes, then shuts down gracefully
+/// (stop accepting, let running requests finish, leave the rest to the journal). `on_ready` is
+/// called once the workers are up and the port is bound.
+pub async fn serve_async(
+    args: ServeArgs,
+    on_ready: impl FnOnce(Running) + Send,
+    stop: impl std::future::Future<Output = ()> + Send,
+) -> Result<()> {
     let text = match &args.config {
         Some(path) => std::fs::read_to_string(path).with_context(|| format!("cannot read config file {}", path.display()))?,
         None => String::new(),
@@ -142,8 +174,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         context = context.min(cpu.max_context_tokens.map(|c| c as usize).unwrap_or(usize::MAX));
     }
 
-    let runtime = tokio::runtime::Runtime::new()?;
-    runtime.block_on(async move {
+    {
         let backend = headroom_memory::calibration::backend_key(&gpu.as_ref().map(|g| g.device.label()).unwrap_or_else(|| "cpu".into()));
         let mut config = SupervisorConfig::new(std::env::current_exe()?, model_dir.clone(), gpu);
         config.cpu = cpu;
@@ -177,6 +208,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             created_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
         });
         let app = headroom_server::app(state, &server);
+        let in_process = app.clone();
         let listener = tokio::net::TcpListener::bind((server.host.as_str(), server.port))
             .await
             .with_context(|| format!("cannot listen on {}:{}; is another server using the port? pass --port", server.host, server.port))?;
@@ -190,6 +222,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         println!("headroom: serving {model_id} at http://{addr} ({gpu_line}; CPU worker warm; journal {})", journal_path.display());
         use std::io::Write;
         let _ = std::io::stdout().flush();
+        on_ready(Running { addr, app: in_process, simulated_gpu: args.gpu == GpuChoice::Sim });
         let grace = Duration::from_millis(server.shutdown_grace_ms);
         let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
         let serving = axum::serve(listener, app).with_graceful_shutdown(async move {
@@ -198,7 +231,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         let mut serving = std::pin::pin!(std::future::IntoFuture::into_future(serving));
         tokio::select! {
             r = &mut serving => r?,
-            _ = shutdown_signal() => {
+            _ = stop => {
                 eprintln!("headroom: shutting down: no new requests; waiting for {} running", dispatcher.in_flight());
                 let _ = stop_tx.send(true);
                 // Connections close as their requests finish; long-lived ones (event streams)
@@ -214,7 +247,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         }
         supervisor.shutdown().await;
         Ok(())
-    })
+    }
 }
 
 async fn shutdown_signal() {

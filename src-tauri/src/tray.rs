@@ -1,0 +1,115 @@
+//! The tray icon (its colour follows degraded mode; menu: open, quit) and the desktop
+//! notifications on entering and leaving degraded mode. Both are optional comforts: a desktop with
+//! no tray library or no D-Bus session gets a warning in the log, never a crash.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use futures_util::StreamExt;
+use tauri::image::Image;
+use tauri::menu::{Menu, MenuItem};
+use tauri::tray::{TrayIcon, TrayIconBuilder};
+use tauri::{AppHandle, Manager};
+use tauri_plugin_notification::NotificationExt;
+
+use crate::ipc::Shell;
+
+const HEALTHY: [u8; 3] = [46, 139, 87];
+const DEGRADED: [u8; 3] = [230, 150, 20];
+
+/// A filled circle, so the tray needs no image files.
+fn dot(rgb: [u8; 3]) -> Image<'static> {
+    const SIZE: u32 = 32;
+    let mut rgba = Vec::with_capacity((SIZE * SIZE * 4) as usize);
+    let c = (SIZE as f32 - 1.0) / 2.0;
+    for y in 0..SIZE {
+        for x in 0..SIZE {
+            let inside = ((x as f32 - c).powi(2) + (y as f32 - c).powi(2)).sqrt() <= SIZE as f32 * 0.42;
+            rgba.extend_from_slice(&[rgb[0], rgb[1], rgb[2], if inside { 255 } else { 0 }]);
+        }
+    }
+    Image::new_owned(rgba, SIZE, SIZE)
+}
+
+fn build_tray(app: &AppHandle) -> tauri::Result<TrayIcon> {
+    let open = MenuItem::with_id(app, "open", "Open Headroom", true, None::<&str>)?;
+    let quit = MenuItem::with_id(app, "quit", "Quit", true, None::<&str>)?;
+    let menu = Menu::with_items(app, &[&open, &quit])?;
+    TrayIconBuilder::with_id("headroom")
+        .icon(dot(HEALTHY))
+        .tooltip("Headroom: GPU healthy")
+        .menu(&menu)
+        .on_menu_event(|app, event| match event.id().as_ref() {
+            "open" => {
+                if let Some(window) = app.get_webview_window("main") {
+                    let _ = window.show();
+                    let _ = window.set_focus();
+                }
+            }
+            "quit" => app.exit(0),
+            _ => {}
+        })
+        .build(app)
+}
+
+/// Shows the tray icon (when the desktop has a tray) and follows degraded mode for it and for
+/// notifications.
+pub fn install(app: &AppHandle, shell: Shell) {
+    // libappindicator is loaded at run time and panics when it is missing.
+    let tray = match catch_unwind(AssertUnwindSafe(|| build_tray(app))) {
+        Ok(Ok(tray)) => Some(tray),
+        Ok(Err(e)) => {
+            tracing::warn!("no tray icon: {e}");
+            None
+        }
+        Err(_) => {
+            tracing::warn!("no tray icon: the tray library (libayatana-appindicator3) is not available");
+            None
+        }
+    };
+    let app = app.clone();
+    tauri::async_runtime::spawn(async move {
+        if let Err(e) = follow_degraded(&app, tray.as_ref(), &shell).await {
+            tracing::warn!("degraded-mode notifications stopped: {e}");
+        }
+    });
+}
+
+async fn follow_degraded(app: &AppHandle, tray: Option<&TrayIcon>, shell: &Shell) -> Result<(), String> {
+    let response = shell.call("GET", "/v1/events", None).await?;
+    let mut body = response.into_body().into_data_stream();
+    let mut buffer = Vec::new();
+    let mut degraded = false;
+    while let Some(chunk) = body.next().await {
+        buffer.extend_from_slice(&chunk.map_err(|e| e.to_string())?);
+        for data in headroom_cli::sse::complete_sse_data(&mut buffer) {
+            let Ok(event) = serde_json::from_str::<serde_json::Value>(&data) else { continue };
+            // The first event is the status body (no `event` field), saying where the service
+            // stands; `degraded` events say when that changes.
+            let (now, reason) = match event["event"].as_str() {
+                Some("degraded") => (event["degraded"].as_bool().unwrap_or(false), event["reason"].as_str().unwrap_or("")),
+                None if event.get("degraded").is_some() => {
+                    (event["degraded"].as_bool().unwrap_or(false), event["degraded_reason"].as_str().unwrap_or(""))
+                }
+                _ => continue,
+            };
+            let reason = reason.to_string();
+            if now == degraded {
+                continue;
+            }
+            degraded = now;
+            if let Some(tray) = tray {
+                let _ = tray.set_icon(Some(dot(if degraded { DEGRADED } else { HEALTHY })));
+                let tip = if degraded { format!("Headroom: degraded, {reason}") } else { "Headroom: GPU healthy".into() };
+                let _ = tray.set_tooltip(Some(tip));
+            }
+            let title = if degraded { "Headroom: serving from the CPU" } else { "Headroom: GPU restored" };
+            let shown = catch_unwind(AssertUnwindSafe(|| app.notification().builder().title(title).body(&reason).show()));
+            match shown {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!("notification not shown: {e}"),
+                Err(_) => tracing::warn!("notification not shown: the notification service failed"),
+            }
+        }
+    }
+    Ok(())
+}
