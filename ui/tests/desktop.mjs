@@ -9,6 +9,7 @@ import { createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 import assert from "node:assert/strict";
+import { check, finish } from "./checks.mjs";
 
 const root = resolve(import.meta.dirname, "../..");
 const app = process.env.HEADROOM_DESKTOP_BIN ?? join(root, "target/debug/headroom-desktop");
@@ -65,17 +66,6 @@ async function waitFor(what, fn, timeoutMs = 30_000) {
   throw new Error(`timed out waiting for ${what}${last ? `: ${last.message}` : ""}`);
 }
 
-const results = [];
-async function check(name, body) {
-  try {
-    await body();
-    results.push([name, true]);
-    console.log(`ok - ${name}`);
-  } catch (e) {
-    results.push([name, false]);
-    console.log(`not ok - ${name}\n  ${String(e?.stack ?? e).split("\n").slice(0, 6).join("\n  ")}`);
-  }
-}
 
 let session;
 try {
@@ -146,6 +136,4 @@ try {
   rmSync(dir, { recursive: true, force: true });
 }
 
-const failed = results.filter(([, ok]) => !ok).length;
-console.log(`${results.length - failed} passed, ${failed} failed`);
-process.exit(failed ? 1 : 0);
+finish();

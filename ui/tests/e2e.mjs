@@ -8,6 +8,7 @@ import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
 import { createInterface } from "node:readline";
 import assert from "node:assert/strict";
+import { check, finish } from "./checks.mjs";
 import { chromium } from "playwright-core";
 
 const root = resolve(import.meta.dirname, "../..");
@@ -38,17 +39,6 @@ async function startServer() {
   return { url, child, dir };
 }
 
-const results = [];
-async function check(name, body) {
-  try {
-    await body();
-    results.push([name, true]);
-    console.log(`ok - ${name}`);
-  } catch (e) {
-    results.push([name, false]);
-    console.log(`not ok - ${name}\n  ${String(e?.stack ?? e).split("\n").slice(0, 6).join("\n  ")}`);
-  }
-}
 
 const server = await startServer();
 const browser = await chromium.launch({
@@ -136,6 +126,4 @@ try {
   rmSync(server.dir, { recursive: true, force: true });
 }
 
-const failed = results.filter(([, ok]) => !ok).length;
-console.log(`${results.length - failed} passed, ${failed} failed`);
-process.exit(failed ? 1 : 0);
+finish();
