@@ -162,21 +162,17 @@ pub async fn chat(
     });
     let response = shell.call("POST", "/v1/chat/completions", Some(body.to_string())).await?;
     let status = response.status().as_u16();
-    let head = StreamFrame::Head {
-        status,
-        device: header(&response, "x-headroom-device"),
-        request_id: header(&response, "x-request-id"),
-        estimated_delay_ms: header(&response, "x-headroom-estimated-delay-ms").and_then(|d| d.parse().ok()),
-        error: None,
-    };
+    let device = header(&response, "x-headroom-device");
+    let request_id = header(&response, "x-request-id");
+    let estimated_delay_ms = header(&response, "x-headroom-estimated-delay-ms").and_then(|d| d.parse().ok());
     if !response.status().is_success() {
+        // Not a stream: the head carries the error body's message, and that is all.
         let error = json_of(response).await.err();
-        let StreamFrame::Head { status, device, request_id, estimated_delay_ms, .. } = head else { unreachable!() };
         let _ = on_frame.send(StreamFrame::Head { status, device, request_id, estimated_delay_ms, error });
         let _ = on_frame.send(StreamFrame::End);
         return Ok(());
     }
-    on_frame.send(head).map_err(|e| e.to_string())?;
+    on_frame.send(StreamFrame::Head { status, device, request_id, estimated_delay_ms, error: None }).map_err(|e| e.to_string())?;
     shell.pump(response, stream_id, &on_frame).await;
     Ok(())
 }
@@ -207,6 +203,26 @@ pub async fn cancel(shell: State<'_, Shell>, request_id: String) -> Result<(), S
     json_of(shell.call("POST", &path, None).await?).await.map(|_| ())
 }
 
+/// The settings in force: the body of `GET /v1/settings`, as JSON text (MiB values are u64).
+#[tauri::command]
+#[specta::specta]
+pub async fn settings(shell: State<'_, Shell>) -> Result<String, String> {
+    json_of(shell.call("GET", "/v1/settings", None).await?).await.map(|v| v.to_string())
+}
+
+/// Changes settings (`PATCH /v1/settings` with `patch`, a JSON merge patch as text); returns the
+/// response body as JSON text, or the server's error message.
+#[tauri::command]
+#[specta::specta]
+pub async fn update_settings(shell: State<'_, Shell>, patch: String) -> Result<String, String> {
+    update_settings_text(&shell, patch).await
+}
+
+/// `PATCH /v1/settings` in-process (the command, and the tray's "Pause GPU").
+pub async fn update_settings_text(shell: &Shell, patch: String) -> Result<String, String> {
+    json_of(shell.call("PATCH", "/v1/settings", Some(patch)).await?).await.map(|v| v.to_string())
+}
+
 /// Where the HTTP API listens, for other programs (the desktop app serves them too).
 #[tauri::command]
 #[specta::specta]
@@ -215,7 +231,7 @@ pub async fn api_address(shell: State<'_, Shell>) -> Result<String, String> {
 }
 
 pub fn builder() -> tauri_specta::Builder<tauri::Wry> {
-    tauri_specta::Builder::<tauri::Wry>::new().commands(tauri_specta::collect_commands![status, chat, events, hang_up, cancel, api_address])
+    tauri_specta::Builder::<tauri::Wry>::new().commands(tauri_specta::collect_commands![status, chat, events, hang_up, cancel, settings, update_settings, api_address])
 }
 
 pub fn default_bindings_path() -> PathBuf {

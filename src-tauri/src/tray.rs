@@ -1,12 +1,12 @@
-//! The tray icon (its colour follows degraded mode; menu: open, quit) and the desktop
-//! notifications on entering and leaving degraded mode. Both are optional comforts: a desktop with
+//! The tray icon (its colour follows degraded mode and the GPU pause; menu: open, pause GPU, quit)
+//! and the desktop notifications on entering and leaving degraded mode. Both are optional comforts: a desktop with
 //! no tray library or no D-Bus session gets a warning in the log, never a crash.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use futures_util::StreamExt;
 use tauri::image::Image;
-use tauri::menu::{Menu, MenuItem};
+use tauri::menu::{CheckMenuItem, Menu, MenuItem};
 use tauri::tray::{TrayIcon, TrayIconBuilder};
 use tauri::{AppHandle, Manager};
 use tauri_plugin_notification::NotificationExt;
@@ -15,6 +15,7 @@ use crate::ipc::Shell;
 
 const HEALTHY: [u8; 3] = [46, 139, 87];
 const DEGRADED: [u8; 3] = [230, 150, 20];
+const PAUSED: [u8; 3] = [120, 120, 130];
 
 /// A filled circle, so the tray needs no image files.
 fn dot(rgb: [u8; 3]) -> Image<'static> {
@@ -30,32 +31,56 @@ fn dot(rgb: [u8; 3]) -> Image<'static> {
     Image::new_owned(rgba, SIZE, SIZE)
 }
 
-fn build_tray(app: &AppHandle) -> tauri::Result<TrayIcon> {
+struct Tray {
+    icon: TrayIcon,
+    pause_gpu: CheckMenuItem<tauri::Wry>,
+}
+
+fn build_tray(app: &AppHandle, shell: &Shell) -> tauri::Result<Tray> {
     let open = MenuItem::with_id(app, "open", "Open Headroom", true, None::<&str>)?;
+    // Enabled once the status says there is a GPU to pause.
+    let pause_gpu = CheckMenuItem::with_id(app, "pause_gpu", "Pause GPU", false, false, None::<&str>)?;
     let quit = MenuItem::with_id(app, "quit", "Quit", true, None::<&str>)?;
-    let menu = Menu::with_items(app, &[&open, &quit])?;
-    TrayIconBuilder::with_id("headroom")
+    let menu = Menu::with_items(app, &[&open, &pause_gpu, &quit])?;
+    let shell = shell.clone();
+    let toggle = pause_gpu.clone();
+    let icon = TrayIconBuilder::with_id("headroom")
         .icon(dot(HEALTHY))
         .tooltip("Headroom: GPU healthy")
         .menu(&menu)
-        .on_menu_event(|app, event| match event.id().as_ref() {
+        .on_menu_event(move |app, event| match event.id().as_ref() {
             "open" => {
                 if let Some(window) = app.get_webview_window("main") {
                     let _ = window.show();
                     let _ = window.set_focus();
                 }
             }
+            "pause_gpu" => {
+                // The menu has already flipped the check mark; make the setting match it. The
+                // settings event then confirms it (or a failed change puts the mark back).
+                let paused = toggle.is_checked().unwrap_or(false);
+                let shell = shell.clone();
+                let toggle = toggle.clone();
+                tauri::async_runtime::spawn(async move {
+                    let patch = serde_json::json!({ "gpu_paused": paused }).to_string();
+                    if let Err(e) = crate::ipc::update_settings_text(&shell, patch).await {
+                        tracing::warn!("cannot pause or resume the GPU: {e}");
+                        let _ = toggle.set_checked(!paused);
+                    }
+                });
+            }
             "quit" => app.exit(0),
             _ => {}
         })
-        .build(app)
+        .build(app)?;
+    Ok(Tray { icon, pause_gpu })
 }
 
 /// Shows the tray icon (when the desktop has a tray) and follows degraded mode for it and for
 /// notifications.
 pub fn install(app: &AppHandle, shell: Shell) {
     // libappindicator is loaded at run time and panics when it is missing.
-    let tray = match catch_unwind(AssertUnwindSafe(|| build_tray(app))) {
+    let tray = match catch_unwind(AssertUnwindSafe(|| build_tray(app, &shell))) {
         Ok(Ok(tray)) => Some(tray),
         Ok(Err(e)) => {
             tracing::warn!("no tray icon: {e}");
@@ -74,15 +99,46 @@ pub fn install(app: &AppHandle, shell: Shell) {
     });
 }
 
-async fn follow_degraded(app: &AppHandle, tray: Option<&TrayIcon>, shell: &Shell) -> Result<(), String> {
+/// Sets the icon and tooltip for where the service stands.
+fn show_state(tray: &Tray, degraded: bool, paused: bool, reason: &str) {
+    let (rgb, tip) = match (degraded, paused) {
+        (true, _) => (DEGRADED, format!("Headroom: degraded, {reason}")),
+        (false, true) => (PAUSED, "Headroom: GPU paused; serving from the CPU".to_string()),
+        (false, false) => (HEALTHY, "Headroom: GPU healthy".to_string()),
+    };
+    let _ = tray.icon.set_icon(Some(dot(rgb)));
+    let _ = tray.icon.set_tooltip(Some(tip));
+    let _ = tray.pause_gpu.set_checked(paused);
+}
+
+async fn follow_degraded(app: &AppHandle, tray: Option<&Tray>, shell: &Shell) -> Result<(), String> {
     let response = shell.call("GET", "/v1/events", None).await?;
     let mut body = response.into_body().into_data_stream();
     let mut buffer = Vec::new();
     let mut degraded = false;
+    let mut paused = false;
     while let Some(chunk) = body.next().await {
         buffer.extend_from_slice(&chunk.map_err(|e| e.to_string())?);
         for data in headroom_cli::sse::complete_sse_data(&mut buffer) {
             let Ok(event) = serde_json::from_str::<serde_json::Value>(&data) else { continue };
+            // The GPU pause is the person's choice: icon and menu follow it, no notification.
+            let paused_now = match event["event"].as_str() {
+                Some("gpu_paused") => event["paused"].as_bool(),
+                None => {
+                    let has_gpu = event["workers"].as_array().is_some_and(|w| w.iter().any(|w| w["kind"] == "gpu"));
+                    if let Some(tray) = tray {
+                        let _ = tray.pause_gpu.set_enabled(has_gpu);
+                    }
+                    event["gpu_paused"].as_bool()
+                }
+                _ => None,
+            };
+            if let Some(now) = paused_now.filter(|p| *p != paused) {
+                paused = now;
+                if let Some(tray) = tray {
+                    show_state(tray, degraded, paused, "");
+                }
+            }
             // The first event is the status body (no `event` field), saying where the service
             // stands; `degraded` events say when that changes.
             let (now, reason) = match event["event"].as_str() {
@@ -98,9 +154,7 @@ async fn follow_degraded(app: &AppHandle, tray: Option<&TrayIcon>, shell: &Shell
             }
             degraded = now;
             if let Some(tray) = tray {
-                let _ = tray.set_icon(Some(dot(if degraded { DEGRADED } else { HEALTHY })));
-                let tip = if degraded { format!("Headroom: degraded, {reason}") } else { "Headroom: GPU healthy".into() };
-                let _ = tray.set_tooltip(Some(tip));
+                show_state(tray, degraded, paused, &reason);
             }
             let title = if degraded { "Headroom: serving from the CPU" } else { "Headroom: GPU restored" };
             let shown = catch_unwind(AssertUnwindSafe(|| app.notification().builder().title(title).body(&reason).show()));

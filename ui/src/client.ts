@@ -19,6 +19,18 @@ export interface Transport {
   /** Streams a chat reply; `onReply` sees it grow. Aborting `signal` hangs up (cancels it). */
   chat(messages: ChatMessage[], options: { maxTokens: number; temperature: number }, onReply: (r: Reply, estimatedDelayMs: number | null) => void, signal: AbortSignal): Promise<Reply>;
   cancel(requestId: string): Promise<void>;
+  /** The settings in force (`GET /v1/settings`). */
+  settings(): Promise<SettingsReply>;
+  /** Changes settings (a JSON merge patch); rejects with the server's message. */
+  updateSettings(patch: Json): Promise<SettingsReply>;
+}
+
+/** What the server says about settings: all of them, and what a change did. */
+export interface SettingsReply {
+  settings: Json;
+  changed: string[];
+  restart_required: string[];
+  file: string | null;
 }
 
 /** Folds a chat stream's SSE text, in whatever pieces it arrives, into the growing reply. */
@@ -39,7 +51,7 @@ export class ChatStream {
 }
 
 /** The service event names the UI follows. */
-export const EVENT_NAMES = ["status", "breaker_changed", "degraded", "worker_started", "worker_exited", "worker_restart_scheduled", "health_check_failed", "failover", "memory_sample", "queue_changed"];
+export const EVENT_NAMES = ["status", "breaker_changed", "degraded", "gpu_paused", "settings_changed", "worker_started", "worker_exited", "worker_restart_scheduled", "health_check_failed", "failover", "memory_sample", "queue_changed"];
 
 export class HttpTransport implements Transport {
   constructor(readonly base = "") {}
@@ -105,6 +117,21 @@ export class HttpTransport implements Transport {
 
   async cancel(requestId: string): Promise<void> {
     await fetch(`${this.base}/v1/requests/${encodeURIComponent(requestId)}/cancel`, { method: "POST" });
+  }
+
+  async settings(): Promise<SettingsReply> {
+    return this.json(await fetch(`${this.base}/v1/settings`));
+  }
+
+  async updateSettings(patch: Json): Promise<SettingsReply> {
+    return this.json(await fetch(`${this.base}/v1/settings`, { method: "PATCH", headers: { "content-type": "application/json" }, body: JSON.stringify(patch) }));
+  }
+
+  /** A JSON body, or the error body's message as the rejection. */
+  private async json(r: Response): Promise<any> {
+    const body = await r.json().catch(() => ({}));
+    if (!r.ok) throw new Error(body?.error?.message ?? `HTTP ${r.status}`);
+    return body;
   }
 }
 
@@ -181,6 +208,18 @@ export class TauriTransport implements Transport {
   async cancel(requestId: string): Promise<void> {
     const r = await commands.cancel(requestId);
     if (r.status === "error") throw new Error(r.error);
+  }
+
+  async settings(): Promise<SettingsReply> {
+    const r = await commands.settings();
+    if (r.status === "error") throw new Error(r.error);
+    return JSON.parse(r.data);
+  }
+
+  async updateSettings(patch: Json): Promise<SettingsReply> {
+    const r = await commands.updateSettings(JSON.stringify(patch));
+    if (r.status === "error") throw new Error(r.error);
+    return JSON.parse(r.data);
   }
 }
 

@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { applyChunk, emptyReply, formatDelay, MemoryHistory, splitSse, statusView } from "./logic";
+import { applyChunk, emptyReply, formatDelay, MemoryHistory, settingsForm, settingsPatch, splitSse, statusView } from "./logic";
 
 const gpuWorker = { kind: "gpu", device: "sim", state: "ready", simulated: true };
 const cpuWorker = { kind: "cpu", device: "cpu", state: "ready", simulated: false };
@@ -13,6 +13,33 @@ describe("status bar", () => {
     expect(degraded.estimatedDelayMs).toBe(1200);
     expect(statusView({ degraded: true, workers: [{ ...gpuWorker, state: "down" }, cpuWorker] }).health).toBe("unavailable");
     expect(statusView({ degraded: false, workers: [cpuWorker] }).health).toBe("cpu-only");
+  });
+
+  it("says paused when the GPU is paused in settings, and degraded wins over it", () => {
+    const paused = statusView({ degraded: false, gpu_paused: true, workers: [{ ...gpuWorker, state: "paused", pid: null }, cpuWorker] });
+    expect(paused.health).toBe("paused");
+    expect(paused.label).toBe("GPU paused (simulated)");
+    expect(statusView({ degraded: true, gpu_paused: true, workers: [gpuWorker, cpuWorker] }).health).toBe("degraded");
+    expect(statusView({ degraded: false, workers: [{ ...gpuWorker, state: "starting" }, cpuWorker] }).label).toBe("GPU starting (simulated)");
+  });
+});
+
+describe("settings form", () => {
+  const current = { vram_reserve_mib: null, gpu_paused: false, fallback_model: null, cpu_max_concurrency: 1, cpu_max_context_tokens: 8192, gpu_device: 0 };
+
+  it("sends only what changed, with empty optional fields as automatic", () => {
+    const form = settingsForm(current);
+    expect(form.vramReserveMib).toBe("");
+    expect(settingsPatch(current, form)).toEqual({ patch: {}, error: null });
+    expect(settingsPatch(current, { ...form, vramReserveMib: " 1500 ", gpuPaused: true }).patch).toEqual({ vram_reserve_mib: 1500, gpu_paused: true });
+    const reserved = { ...current, vram_reserve_mib: 1500, fallback_model: "/models/small" };
+    expect(settingsPatch(reserved, { ...settingsForm(reserved), vramReserveMib: "", fallbackModel: "" }).patch).toEqual({ vram_reserve_mib: null, fallback_model: null });
+  });
+
+  it("names a field that is not a whole number, or missing", () => {
+    const form = settingsForm(current);
+    expect(settingsPatch(current, { ...form, vramReserveMib: "2 GB" }).error).toBe('VRAM reserve: "2 GB" is not a whole number');
+    expect(settingsPatch(current, { ...form, cpuMaxConcurrency: "" }).error).toBe("CPU concurrency is required");
   });
 });
 

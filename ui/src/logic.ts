@@ -4,7 +4,7 @@
 /** One service event or status snapshot, as `/v1/events` and `/v1/status` send them. */
 export type Json = Record<string, any>;
 
-export type Health = "healthy" | "degraded" | "unavailable" | "cpu-only";
+export type Health = "healthy" | "degraded" | "unavailable" | "cpu-only" | "paused" | "starting";
 
 export interface StatusView {
   health: Health;
@@ -34,7 +34,62 @@ export function statusView(status: Json): StatusView {
       reason: status.degraded_reason ?? "GPU requests are served by the CPU worker",
     };
   }
+  if (status.gpu_paused) {
+    return { ...base, health: "paused", label: `GPU paused${sim}`, reason: "paused in settings; requests go to the CPU worker" };
+  }
+  if (gpu.state === "down" || gpu.state === "starting") {
+    return { ...base, health: "starting", label: `GPU starting${sim}`, reason: "requests go to the CPU worker until it is ready" };
+  }
   return { ...base, health: "healthy", label: `GPU healthy${sim}: ${gpu.device}`, reason: null };
+}
+
+/** The settings form: text fields as typed, so a half-typed number is not lost. */
+export interface SettingsForm {
+  vramReserveMib: string;
+  gpuPaused: boolean;
+  fallbackModel: string;
+  cpuMaxConcurrency: string;
+  cpuMaxContextTokens: string;
+  gpuDevice: string;
+}
+
+export function settingsForm(s: Json): SettingsForm {
+  return {
+    vramReserveMib: s.vram_reserve_mib == null ? "" : String(s.vram_reserve_mib),
+    gpuPaused: !!s.gpu_paused,
+    fallbackModel: s.fallback_model ?? "",
+    cpuMaxConcurrency: String(s.cpu_max_concurrency ?? ""),
+    cpuMaxContextTokens: String(s.cpu_max_context_tokens ?? ""),
+    gpuDevice: String(s.gpu_device ?? 0),
+  };
+}
+
+/** The changes a form makes to `current`, as a merge patch, or what is wrong with the form.
+ *  Empty optional fields mean automatic (null); the server checks ranges and says why. */
+export function settingsPatch(current: Json, form: SettingsForm): { patch: Json; error: string | null } {
+  const patch: Json = {};
+  const whole = (text: string, label: string): number | null | string => {
+    const t = text.trim();
+    if (t === "") return null;
+    if (!/^\d+$/.test(t)) return `${label}: "${t}" is not a whole number`;
+    return Number(t);
+  };
+  const fields: [string, string, string, boolean][] = [
+    ["vram_reserve_mib", form.vramReserveMib, "VRAM reserve", true],
+    ["cpu_max_concurrency", form.cpuMaxConcurrency, "CPU concurrency", false],
+    ["cpu_max_context_tokens", form.cpuMaxContextTokens, "CPU context limit", false],
+    ["gpu_device", form.gpuDevice, "GPU device", false],
+  ];
+  for (const [key, text, label, optional] of fields) {
+    const value = whole(text, label);
+    if (typeof value === "string") return { patch: {}, error: value };
+    if (value === null && !optional) return { patch: {}, error: `${label} is required` };
+    if (value !== current[key]) patch[key] = value;
+  }
+  if (form.gpuPaused !== !!current.gpu_paused) patch.gpu_paused = form.gpuPaused;
+  const fallback = form.fallbackModel.trim() || null;
+  if (fallback !== (current.fallback_model ?? null)) patch.fallback_model = fallback;
+  return { patch, error: null };
 }
 
 /** A reply in the chat, built from the stream's chunks. */

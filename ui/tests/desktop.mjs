@@ -116,6 +116,25 @@ try {
     assert.ok(reply.text.trim().length > 0, "the reply has text");
   });
 
+  await check("settings change over IPC: pausing the GPU sends replies to the CPU; resuming brings them back", async () => {
+    const click = async (css) => call("POST", s(`/element/${(await elements(css))[0]}/click`), {});
+    await click("[data-testid=tab-settings]");
+    await waitFor("the settings form", async () => (await elements("[data-testid=setting-gpu-paused]")).length > 0);
+    await click("[data-testid=setting-gpu-paused]");
+    await click("[data-testid=settings-save]");
+    await waitFor("GPU paused", async () => /GPU paused/.test((await text("[data-testid=gpu-health]")) ?? ""), 10_000);
+    assert.match((await text("[data-testid=settings-result]")) ?? "", /Applied: gpu_paused/);
+    const paused = await chat("Let there be light");
+    assert.equal(paused.badge, "CPU");
+    assert.match(paused.notice ?? "", /paused/);
+    await click("[data-testid=setting-gpu-paused]");
+    await click("[data-testid=settings-save]");
+    await waitFor("GPU healthy again", async () => /GPU healthy \(simulated\)/.test((await text("[data-testid=gpu-health]")) ?? ""), 30_000);
+    const resumed = await chat("In the beginning");
+    assert.match(resumed.badge ?? "", /GPU · sim/);
+    await click("[data-testid=tab-memory]");
+  });
+
   await check("after injected OOMs the degraded notice appears and replies come from the CPU", async () => {
     for (let i = 0; i < 3; i++) {
       await fault({ fault: "oom_next_allocation" });

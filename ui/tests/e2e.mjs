@@ -1,7 +1,9 @@
 // End-to-end: the built web UI in Debian's Chromium (playwright-core, no downloaded browser)
-// against a real `headroom serve --gpu sim`. A chat round trip on the GPU, then injected OOMs
-// open the breaker: the degraded banner, the CPU badge with its reason, and a stop. Screenshots
-// at 1024×700 and 1440×900 go to docs/screenshots/.
+// against a real `headroom serve --gpu sim`. A chat round trip on the GPU; settings changed and
+// applied (the VRAM reserve admission uses, kept across a reload); the GPU paused, a reply on
+// the CPU, and a queued request cancelled from the UI; then injected OOMs open the breaker: the
+// degraded banner, the CPU badge with its reason, and a stop. Screenshots at 1024×700 and
+// 1440×900 go to docs/screenshots/.
 import { spawn } from "node:child_process";
 import { mkdtempSync, mkdirSync, writeFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
@@ -71,6 +73,76 @@ try {
     assert.ok((await reply.locator(".text").innerText()).trim().length > 0, "the reply has text");
   });
 
+  await check("a new VRAM reserve is applied to admission and kept across a reload", async () => {
+    await page.getByTestId("tab-settings").click();
+    await page.getByTestId("setting-vram-reserve").fill("1500");
+    await page.getByTestId("settings-save").click();
+    await page.getByTestId("settings-result").filter({ hasText: "Applied: vram_reserve_mib" }).waitFor({ timeout: 10_000 });
+    // What admission uses, read back from the server's status, not the form.
+    await page.getByTestId("tab-memory").click();
+    await page.getByTestId("vram-reserve").filter({ hasText: "1,500 MiB" }).waitFor({ timeout: 10_000 });
+    await page.reload();
+    await page.getByTestId("tab-settings").click();
+    assert.equal(await page.getByTestId("setting-vram-reserve").inputValue(), "1500");
+    const bad = await page.getByTestId("setting-cpu-concurrency");
+    await bad.fill("99");
+    await page.getByTestId("settings-save").click();
+    await page.getByTestId("settings-result").filter({ hasText: "cpu_max_concurrency must be 1 to 16" }).waitFor({ timeout: 10_000 });
+    await page.getByRole("button", { name: "Revert" }).click();
+  });
+
+  await check("pausing the GPU sends replies to the CPU and says so", async () => {
+    await page.getByTestId("setting-gpu-paused").check();
+    await page.getByTestId("settings-save").click();
+    await page.getByTestId("paused-banner").waitFor({ timeout: 10_000 });
+    assert.match(await page.getByTestId("gpu-health").innerText(), /GPU paused/);
+    await page.screenshot({ path: join(shots, "settings-1440x900.png") });
+    const reply = await chat(page, "Let there be light");
+    assert.equal(await reply.getByTestId("device-badge").innerText(), "CPU");
+    assert.match(await reply.getByTestId("reply-notice").innerText(), /paused/);
+  });
+
+  await check("a queued request is cancelled from the UI; the one ahead of it finishes", async () => {
+    // The CPU worker runs one request at a time: a long one from another client takes it.
+    const ahead = fetch(`${server.url}/v1/completions`, {
+      method: "POST",
+      headers: { "content-type": "application/json" },
+      body: JSON.stringify({ model: "default", prompt: "And it came to pass", max_tokens: 900, ignore_eos: true }),
+    });
+    await page.getByTestId("tab-memory").click();
+    await page.locator(".queues tr", { hasText: "cpu" }).filter({ has: page.locator("td:nth-child(3)", { hasText: "1" }) }).waitFor({ timeout: 10_000 });
+    await page.getByTestId("prompt").fill("The voice of one crying");
+    await page.getByTestId("send").click();
+    const reply = page.getByTestId("reply").last();
+    await page.locator('[data-testid=reply][data-request-id^="req_"]').nth((await page.getByTestId("reply").count()) - 1).waitFor({ timeout: 30_000 });
+    const id = await reply.getAttribute("data-request-id");
+    assert.equal((await (await fetch(`${server.url}/v1/requests/${id}`)).json()).state, "queued", "the UI's request waits behind the other");
+    await reply.getByTestId("reply-delay").waitFor({ timeout: 5_000 });
+    await page.locator(".queues tr", { hasText: "cpu" }).filter({ has: page.locator("td:nth-child(2)", { hasText: "1" }) }).waitFor({ timeout: 5_000 });
+    await page.screenshot({ path: join(shots, "queued-1440x900.png") });
+    await page.getByTestId("stop").click();
+    await reply.getByText("stopped").waitFor({ timeout: 10_000 });
+    let state = "";
+    for (let i = 0; i < 50 && state !== "cancelled"; i++) {
+      state = (await (await fetch(`${server.url}/v1/requests/${id}`)).json()).state;
+      if (state !== "cancelled") await new Promise((r) => setTimeout(r, 100));
+    }
+    assert.equal(state, "cancelled", `request ${id} on the server`);
+    const done = await ahead;
+    assert.equal(done.status, 200, "the request ahead was not touched");
+    assert.equal((await done.json()).usage.completion_tokens, 900);
+  });
+
+  await check("resuming the GPU brings replies back to it", async () => {
+    await page.getByTestId("tab-settings").click();
+    await page.getByTestId("setting-gpu-paused").uncheck();
+    await page.getByTestId("settings-save").click();
+    await page.getByTestId("gpu-health").filter({ hasText: "GPU healthy (simulated)" }).waitFor({ timeout: 30_000 });
+    const reply = await chat(page, "In the beginning");
+    assert.match(await reply.getByTestId("device-badge").innerText(), /GPU · sim/);
+    await page.getByTestId("tab-memory").click();
+  });
+
   await check("after injected OOMs the breaker opens: degraded banner, CPU badge and why", async () => {
     for (let i = 0; i < 3; i++) {
       await fault({ fault: "oom_next_allocation" });
@@ -89,6 +161,7 @@ try {
   });
 
   await check("the memory panel draws the chart and marks the failovers", async () => {
+    await page.getByTestId("tab-memory").click();
     await page.getByTestId("memory-chart").locator("canvas").first().waitFor();
     await page.locator(".marks li.failover").first().waitFor({ timeout: 10_000 });
   });
@@ -117,8 +190,12 @@ try {
   await page.screenshot({ path: join(shots, "ui-1024x700.png") });
 
   await check("nothing is cut off at 1024×700", async () => {
-    const overflow = await page.evaluate(() => document.documentElement.scrollWidth - document.documentElement.clientWidth);
-    assert.ok(overflow <= 0, `the page is ${overflow}px wider than the window`);
+    for (const tab of ["tab-memory", "tab-settings"]) {
+      await page.getByTestId(tab).click();
+      const overflow = await page.evaluate(() => document.documentElement.scrollWidth - document.documentElement.clientWidth);
+      assert.ok(overflow <= 0, `${tab}: the page is ${overflow}px wider than the window`);
+    }
+    await page.screenshot({ path: join(shots, "settings-1024x700.png") });
   });
 } finally {
   await browser.close();

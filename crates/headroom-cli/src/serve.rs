@@ -11,7 +11,7 @@ use headroom_memory::MemoryConfig;
 use headroom_model::bundle::resolve_model_dir;
 use headroom_model::device::{probe_cuda, CudaProbe};
 use headroom_model::ModelBundle;
-use headroom_router::{Dispatcher, Journal, QueueConfig, Recovery, SupervisionConfig, Supervisor, SupervisorConfig};
+use headroom_router::{Dispatcher, Journal, QueueConfig, Recovery, Settings, SettingsFile, SupervisionConfig, Supervisor, SupervisorConfig};
 use headroom_server::{AppState, Limits, ServerConfig};
 use headroom_worker::{DeviceKind, WorkerOptions};
 
@@ -69,10 +69,10 @@ fn default_ui_dir() -> Option<PathBuf> {
         .or_else(|| Some(PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../ui/dist"))))
 }
 
-fn gpu_worker(choice: GpuChoice, sim_vram_mib: u64) -> Result<Option<WorkerOptions>> {
+fn gpu_worker(choice: GpuChoice, sim_vram_mib: u64, cuda_device: u32) -> Result<Option<WorkerOptions>> {
     let cuda = |required: bool| -> Result<Option<WorkerOptions>> {
         match probe_cuda() {
-            CudaProbe::Available { .. } if cfg!(feature = "cuda") => Ok(Some(WorkerOptions::new(DeviceKind::Cuda(0)))),
+            CudaProbe::Available { .. } if cfg!(feature = "cuda") => Ok(Some(WorkerOptions::new(DeviceKind::Cuda(cuda_device)))),
             CudaProbe::Available { .. } if required => bail!("--gpu cuda: this headroom was built without the `cuda` feature; rebuild with default features"),
             CudaProbe::Unavailable { reason } if required => bail!("--gpu cuda: {reason}; use --gpu auto, sim or none"),
             CudaProbe::Available { .. } => {
@@ -165,21 +165,31 @@ pub async fn serve_async(
     let data_dir = args.data_dir.or(server.data_dir.clone()).unwrap_or_else(default_data_dir);
     std::fs::create_dir_all(&data_dir).with_context(|| format!("cannot create the data directory {}; pass --data-dir", data_dir.display()))?;
 
+    // Settings saved from the settings screen override the config file; flags override both
+    // for this run.
+    let settings_file = SettingsFile::in_dir(&data_dir);
+    let mut settings = match settings_file.load().map_err(anyhow::Error::msg)? {
+        Some(saved) => saved,
+        None => Settings { vram_reserve_mib: memory.vram_reserve_mib, fallback_model: server.cpu_fallback_model.clone(), ..Settings::default() },
+    };
+    if let Some(mib) = args.vram_reserve_mib {
+        settings.vram_reserve_mib = Some(mib);
+    }
+
     let model_dir = resolve_model_dir(&args.model);
     let bundle = ModelBundle::open(&model_dir).with_context(|| format!("cannot open the model folder {}", model_dir.display()))?;
-    let gpu = gpu_worker(args.gpu, args.sim_vram_mib)?;
-    let mut context = bundle.config.max_position_embeddings;
-    let cpu = WorkerOptions::new(DeviceKind::Cpu);
-    if gpu.is_none() {
-        context = context.min(cpu.max_context_tokens.map(|c| c as usize).unwrap_or(usize::MAX));
-    }
+    let gpu = gpu_worker(args.gpu, args.sim_vram_mib, settings.gpu_device)?;
+    let mut cpu = WorkerOptions::new(DeviceKind::Cpu);
+    cpu.max_concurrency = settings.cpu_max_concurrency;
+    cpu.max_context_tokens = Some(settings.cpu_max_context_tokens);
 
     {
         let backend = headroom_memory::calibration::backend_key(&gpu.as_ref().map(|g| g.device.label()).unwrap_or_else(|| "cpu".into()));
         let mut config = SupervisorConfig::new(std::env::current_exe()?, model_dir.clone(), gpu);
         config.cpu = cpu;
-        config.cpu_fallback_model_dir = server.cpu_fallback_model.clone();
+        config.cpu_fallback_model_dir = settings.fallback_model.clone();
         config.supervision = supervision;
+        config.gpu_paused = settings.gpu_paused;
         eprintln!("headroom: starting workers for {} ({})", bundle.name(), bundle.short_hash());
         let supervisor = Supervisor::start(config).await.context("cannot start the workers")?;
         let (planner, calibration) = headroom_memory::planner_for(&bundle, backend, memory.clone());
@@ -188,7 +198,7 @@ pub async fn serve_async(
         }
         let journal_path = data_dir.join("journal.sqlite");
         let journal = Journal::open(&journal_path)?;
-        let (dispatcher, recovered) = Dispatcher::start(supervisor.clone(), journal, planner, memory, queues)?;
+        let (dispatcher, recovered) = Dispatcher::start(supervisor.clone(), journal, planner, memory, queues, settings, Some(settings_file))?;
         let rerun = recovered.iter().filter(|r| matches!(r, Recovery::Rerun(_))).count();
         if !recovered.is_empty() {
             eprintln!(
@@ -200,7 +210,7 @@ pub async fn serve_async(
         let model_id = bundle.name();
         let state = Arc::new(AppState {
             dispatcher: dispatcher.clone(),
-            limits: Limits { context_tokens: context, default_max_tokens: server.default_max_tokens },
+            limits: Limits { context_tokens: bundle.config.max_position_embeddings, default_max_tokens: server.default_max_tokens },
             bundle: Arc::new(bundle),
             model_id: model_id.clone(),
             api_key,

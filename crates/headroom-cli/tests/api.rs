@@ -9,7 +9,7 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use headroom_memory::MemoryConfig;
 use headroom_model::ModelBundle;
-use headroom_router::{Dispatcher, Journal, QueueConfig, RequestState, Supervisor, SupervisorConfig};
+use headroom_router::{Dispatcher, Journal, QueueConfig, RequestState, Settings, SettingsFile, Supervisor, SupervisorConfig};
 use headroom_server::{AppState, Limits, ServerConfig};
 use headroom_worker::{DeviceKind, WorkerOptions};
 use serde_json::{json, Value};
@@ -21,6 +21,10 @@ struct Api {
 }
 
 async fn api(with_sim_gpu: bool, api_key: Option<&str>) -> Api {
+    api_saving_settings(with_sim_gpu, api_key, None).await
+}
+
+async fn api_saving_settings(with_sim_gpu: bool, api_key: Option<&str>, settings_file: Option<SettingsFile>) -> Api {
     let model_dir = headroom_model::bundle::resolve_model_dir("default");
     let sim = with_sim_gpu.then(|| {
         let mut sim = WorkerOptions::new(DeviceKind::Sim);
@@ -34,7 +38,7 @@ async fn api(with_sim_gpu: bool, api_key: Option<&str>) -> Api {
     let bundle = ModelBundle::open(&model_dir).unwrap();
     let memory = MemoryConfig::default();
     let (planner, _) = headroom_memory::planner_for(&bundle, "cpu", memory.clone());
-    let (dispatcher, _) = Dispatcher::start(supervisor, Journal::in_memory().unwrap(), planner, memory, QueueConfig::default()).unwrap();
+    let (dispatcher, _) = Dispatcher::start(supervisor, Journal::in_memory().unwrap(), planner, memory, QueueConfig::default(), Settings::default(), settings_file).unwrap();
     let state = Arc::new(AppState {
         dispatcher: dispatcher.clone(),
         limits: Limits { context_tokens: bundle.config.max_position_embeddings, default_max_tokens: 32 },
@@ -276,5 +280,85 @@ async fn with_an_api_key_only_the_probes_are_open() {
     assert_eq!(app.header("access-control-allow-origin"), "tauri://localhost");
     let other = api.call("OPTIONS", "/v1/chat/completions", &preflight("https://evil.example"), None).await;
     assert!(!other.headers.contains_key("access-control-allow-origin"), "{:?}", other.headers);
+    api.stop().await;
+}
+
+/// Polls `/v1/status` until `ready` holds (the GPU worker stops or starts in the background).
+async fn wait_for_status(api: &Api, what: &str, ready: impl Fn(&Value) -> bool) -> Value {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let status = api.call("GET", "/v1/status", &[], None).await.json();
+        if ready(&status) {
+            return status;
+        }
+        assert!(std::time::Instant::now() < deadline, "timed out waiting for {what}: {status}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn gpu_worker(status: &Value) -> &Value {
+    status["workers"].as_array().unwrap().iter().find(|w| w["kind"] == "gpu").unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settings_apply_live_persist_and_refuse_bad_values() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = SettingsFile::in_dir(dir.path());
+    let api = api_saving_settings(true, None, Some(file.clone())).await;
+    let got = api.call("GET", "/v1/settings", &[], None).await;
+    assert_eq!(got.status, StatusCode::OK);
+    assert_eq!(got.json()["settings"], serde_json::to_value(Settings::default()).unwrap());
+
+    // Bad input: a 400 naming the problem, and nothing changes.
+    for (body, says) in [(r#"{"vram_reserve": 1}"#, "unknown setting"), (r#"{"cpu_max_concurrency": 99}"#, "1 to 16"), ("[]", "JSON object"), ("{", "invalid request body")] {
+        let r = api.call("PATCH", "/v1/settings", &[], Some(body.into())).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{body}: {}", r.text);
+        assert!(r.json()["error"]["message"].as_str().unwrap().contains(says), "{body}: {}", r.text);
+    }
+    assert_eq!(file.load().unwrap(), None, "nothing saved by refused changes");
+
+    // The VRAM reserve applies to the next admission: status shows the budget admission uses.
+    wait_for_status(&api, "a GPU memory reading", |s| s["memory"]["vram_reserve_bytes"].is_u64()).await;
+    let r = api.call("PATCH", "/v1/settings", &[], Some(r#"{"vram_reserve_mib": 100}"#.into())).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(r.json()["changed"], json!(["vram_reserve_mib"]));
+    assert_eq!(r.json()["restart_required"], json!([]));
+    let status = api.call("GET", "/v1/status", &[], None).await.json();
+    assert_eq!(status["memory"]["vram_reserve_bytes"], 100 << 20);
+
+    // Pausing the GPU: new requests go to the CPU with the reason; the GPU worker exits.
+    let r = api.call("PATCH", "/v1/settings", &[], Some(r#"{"gpu_paused": true}"#.into())).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    let status = wait_for_status(&api, "the GPU worker to stop", |s| gpu_worker(s)["pid"].is_null()).await;
+    assert_eq!(status["gpu_paused"], true);
+    assert_eq!(gpu_worker(&status)["state"], "paused");
+    let reply = api.chat(chat_body(4, 1, false), &[]).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+    assert_eq!(reply.header("x-headroom-device"), "cpu");
+    assert!(reply.header("x-headroom-degraded-reason").contains("paused"), "{}", reply.header("x-headroom-degraded-reason"));
+
+    // Resuming starts the GPU worker again and requests go back to it.
+    let r = api.call("PATCH", "/v1/settings", &[], Some(r#"{"gpu_paused": false}"#.into())).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    wait_for_status(&api, "the GPU worker to be ready", |s| gpu_worker(s)["state"] == "ready" && s["memory"]["vram_reserve_bytes"].is_u64()).await;
+    let reply = api.chat(chat_body(4, 1, false), &[]).await;
+    assert_eq!(reply.header("x-headroom-device"), "sim");
+
+    // CPU concurrency: a new CPU worker takes over without a gap, the queue gets two slots.
+    let cpu_pid = |s: &Value| s["workers"].as_array().unwrap().iter().find(|w| w["kind"] == "cpu").unwrap()["pid"].clone();
+    let before = cpu_pid(&api.call("GET", "/v1/status", &[], None).await.json());
+    let r = api.call("PATCH", "/v1/settings", &[], Some(r#"{"cpu_max_concurrency": 2, "gpu_device": 1}"#.into())).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(r.json()["restart_required"], json!(["gpu_device"]));
+    let status = api.call("GET", "/v1/status", &[], None).await.json();
+    assert_ne!(cpu_pid(&status), before, "a new CPU worker");
+    let cpu_queue = status["queues"].as_array().unwrap().iter().find(|q| q["device"] == "cpu").unwrap().clone();
+    assert_eq!(cpu_queue["concurrency"], 2);
+    let reply = api.call("POST", "/v1/completions", &[], Some(json!({"model": "default", "prompt": "In the", "max_tokens": 3}).to_string())).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+
+    // All of it was saved, and survives a restart (the file is what `serve` reads).
+    let saved = file.load().unwrap().unwrap();
+    assert_eq!((saved.vram_reserve_mib, saved.gpu_paused, saved.cpu_max_concurrency, saved.gpu_device), (Some(100), false, 2, 1));
     api.stop().await;
 }

@@ -8,7 +8,7 @@ use headroom_memory::{Allowances, MemoryConfig};
 use headroom_model::{GenerateRequest, ModelBundle, SamplingParams};
 use headroom_router::journal::{NewRequest, TransitionRecord};
 use headroom_router::{
-    Dispatcher, Journal, QueueConfig, RequestState, RunRequest, Submission, SubmitError, Supervisor, SupervisorConfig, Transition,
+    Dispatcher, Journal, QueueConfig, RequestState, RunRequest, Settings, Submission, SubmitError, Supervisor, SupervisorConfig, Transition,
 };
 use headroom_worker::{DeviceKind, Fault, WorkerOptions};
 
@@ -33,7 +33,7 @@ async fn dispatcher(with_sim_gpu: bool, journal: Journal, queues: QueueConfig) -
     let bundle = ModelBundle::open(model_dir()).unwrap();
     let memory = MemoryConfig::default();
     let (planner, _) = headroom_memory::planner_for(&bundle, "cpu", memory.clone());
-    Dispatcher::start(supervisor, journal, planner, memory, queues).unwrap().0
+    Dispatcher::start(supervisor, journal, planner, memory, queues, Settings::default(), None).unwrap().0
 }
 
 fn submission(id: &str, body: &str, max_tokens: usize, key: Option<&str>) -> Submission {
@@ -278,7 +278,7 @@ async fn one_request_gpu(memory: MemoryConfig) -> Dispatcher {
     let mut config = supervisor_config(true);
     config.gpu.as_mut().unwrap().sim_vram_mib = (weights + needs * 3 / 2) / MIB + 64;
     let supervisor = Supervisor::start(config).await.unwrap();
-    let d = Dispatcher::start(supervisor, Journal::in_memory().unwrap(), planner, memory, QueueConfig::default()).unwrap().0;
+    let d = Dispatcher::start(supervisor, Journal::in_memory().unwrap(), planner, memory, QueueConfig::default(), Settings::default(), None).unwrap().0;
     d.submit(submission("warm", BURST_PROMPT, 24, None)).unwrap().finish().await.unwrap();
     d
 }

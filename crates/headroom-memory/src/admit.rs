@@ -116,6 +116,39 @@ fn count(n: u64) -> String {
     out
 }
 
+/// What every branch of a decision says about the request and the CPU path.
+struct DecisionContext {
+    /// "needs … (… of KV cache …)", for reasons.
+    what: String,
+    needs: u64,
+    cpu_fits: bool,
+    cpu_allowed: bool,
+    cpu_available: u64,
+    host_reserve: u64,
+}
+
+impl DecisionContext {
+    fn cpu_note(&self, why: &str) -> String {
+        format!(
+            "{why}; runs on CPU instead ({} of host RAM free for it after the {} host reserve)",
+            human_bytes(self.cpu_available),
+            human_bytes(self.host_reserve)
+        )
+    }
+
+    fn cpu_refusal(&self) -> String {
+        if !self.cpu_allowed {
+            "CPU fallback is not allowed for this request".to_string()
+        } else {
+            format!(
+                "the CPU path has only {} of host RAM free after its {} reserve",
+                human_bytes(self.cpu_available),
+                human_bytes(self.host_reserve)
+            )
+        }
+    }
+}
+
 impl Planner {
     pub fn new(shape: ModelShape, calibration: Calibration, config: MemoryConfig) -> Self {
         Self {
@@ -149,6 +182,41 @@ impl Planner {
         (lo > 0).then_some(lo)
     }
 
+    fn context(&self, request: RequestShape, allow: Allowances, host: &Budget) -> DecisionContext {
+        let fp = self.footprint(request);
+        let needs = fp.request_bytes();
+        let cpu_allowed = allow.cpu && self.config.allow_cpu_redirect;
+        let cpu_available = host.available_bytes();
+        DecisionContext {
+            what: format!(
+                "needs {} ({} of KV cache for {} tokens, {} workspace, {} margin)",
+                human_bytes(needs),
+                human_bytes(fp.kv_bytes),
+                count(fp.tokens),
+                human_bytes(fp.workspace_bytes),
+                human_bytes(fp.margin_bytes)
+            ),
+            needs,
+            cpu_fits: cpu_allowed && needs <= cpu_available,
+            cpu_allowed,
+            cpu_available,
+            host_reserve: host.reserve_bytes,
+        }
+    }
+
+    /// Decides for a request the GPU cannot take for a reason outside memory (`why`: no healthy
+    /// GPU, the GPU paused): the CPU worker if allowed and host RAM holds it, else a refusal.
+    pub fn decide_without_gpu(&self, why: &str, request: RequestShape, allow: Allowances, host: &Budget) -> Admission {
+        let ctx = self.context(request, allow, host);
+        if ctx.cpu_fits {
+            return Admission::Cpu { reason: ctx.cpu_note(&format!("{why}; the request {}", ctx.what)) };
+        }
+        Admission::Refuse {
+            reason: format!("{why}, and {}; the request {}", ctx.cpu_refusal(), ctx.what),
+            retry_after_s: Some(10),
+        }
+    }
+
     /// Decides for one request. `gpu` is `None` when no healthy GPU is there; `queue_eta_ms`
     /// says how long until `bytes` would be free on the GPU (from the router's rates), if known.
     pub fn decide(
@@ -159,48 +227,13 @@ impl Planner {
         host: &Budget,
         queue_eta_ms: impl Fn(u64) -> Option<u64>,
     ) -> Admission {
-        let fp = self.footprint(request);
-        let needs = fp.request_bytes();
-        let what = format!(
-            "needs {} ({} of KV cache for {} tokens, {} workspace, {} margin)",
-            human_bytes(needs),
-            human_bytes(fp.kv_bytes),
-            count(fp.tokens),
-            human_bytes(fp.workspace_bytes),
-            human_bytes(fp.margin_bytes)
-        );
-        let cpu_available = host.available_bytes();
-        let cpu_fits = allow.cpu && self.config.allow_cpu_redirect && needs <= cpu_available;
-        let cpu_note = |why: &str| {
-            format!(
-                "{why}; runs on CPU instead ({} of host RAM free for it after the {} host reserve)",
-                human_bytes(cpu_available),
-                human_bytes(host.reserve_bytes)
-            )
-        };
-        let cpu_refusal = || {
-            if !(allow.cpu && self.config.allow_cpu_redirect) {
-                "CPU fallback is not allowed for this request".to_string()
-            } else {
-                format!(
-                    "the CPU path has only {} of host RAM free after its {} reserve",
-                    human_bytes(cpu_available),
-                    human_bytes(host.reserve_bytes)
-                )
-            }
-        };
-
         let Some(gpu) = gpu else {
-            if cpu_fits {
-                return Admission::Cpu {
-                    reason: cpu_note(&format!("no healthy GPU; the request {what}")),
-                };
-            }
-            return Admission::Refuse {
-                reason: format!("no healthy GPU, and {}; the request {what}", cpu_refusal()),
-                retry_after_s: Some(10),
-            };
+            return self.decide_without_gpu("no healthy GPU", request, allow, host);
         };
+        let ctx = self.context(request, allow, host);
+        let (what, needs, cpu_fits) = (&ctx.what, ctx.needs, ctx.cpu_fits);
+        let cpu_note = |why: &str| ctx.cpu_note(why);
+        let cpu_refusal = || ctx.cpu_refusal();
 
         let available = gpu.available_bytes();
         let capacity = gpu.capacity_bytes();

@@ -15,7 +15,8 @@ use tokio::sync::{mpsc, watch, Semaphore};
 use crate::events::EventKind;
 use crate::metrics::{FailoverLabels, Metrics, OutcomeLabels};
 use crate::journal::{Accepted, Journal, JournalError, NewRequest, Recovery, RequestState, Transition};
-use crate::supervisor::{CancelSignal, RunOutcome, RunRequest, StreamedToken, Supervisor, Target};
+use crate::settings::{Settings, SettingsFile, RESTART_SETTINGS};
+use crate::supervisor::{CancelSignal, CpuSetup, RunOutcome, RunRequest, StreamedToken, Supervisor, Target};
 use crate::Error;
 
 /// Queue limits: the `[queues]` table of the config file.
@@ -157,7 +158,8 @@ struct Lane {
     waiting: AtomicUsize,
     running: AtomicUsize,
     capacity: usize,
-    concurrency: usize,
+    /// Slots of `slots`; settings may change it (see [`Lane::resize`]).
+    concurrency: AtomicUsize,
     rates: Mutex<Rates>,
     /// Prompt and max_tokens of every request waiting or running here.
     work_ahead: Mutex<WorkAhead>,
@@ -179,7 +181,7 @@ impl Lane {
             waiting: AtomicUsize::new(0),
             running: AtomicUsize::new(0),
             capacity,
-            concurrency: concurrency.max(1),
+            concurrency: AtomicUsize::new(concurrency.max(1)),
             rates: Mutex::new(Rates::default()),
             work_ahead: Mutex::new(WorkAhead::default()),
             waiting_since: Mutex::new(HashMap::new()),
@@ -199,10 +201,11 @@ impl Lane {
     fn estimated_delay_ms(&self) -> Option<u64> {
         let ahead = *self.work_ahead.lock().unwrap();
         let work = self.expected_run_ms(ahead.prompt_tokens, ahead.max_tokens)?;
-        if self.running.load(Ordering::Relaxed) < self.concurrency {
+        let concurrency = self.concurrency.load(Ordering::Relaxed);
+        if self.running.load(Ordering::Relaxed) < concurrency {
             return Some(0);
         }
-        Some((work / self.concurrency as f64).round() as u64)
+        Some((work / concurrency as f64).round() as u64)
     }
 
     fn observe(&self, prompt_tokens: u32, prefill_ms: f64, tokens: u32, decode_ms: f64) {
@@ -228,6 +231,23 @@ impl Lane {
         ahead.max_tokens -= max_tokens;
     }
 
+    /// Changes how many requests run here at once. More slots are free at once; fewer are
+    /// taken back as running requests finish (none is stopped).
+    fn resize(self: &Arc<Self>, concurrency: usize) {
+        let concurrency = concurrency.max(1);
+        let old = self.concurrency.swap(concurrency, Ordering::SeqCst);
+        if concurrency > old {
+            self.slots.add_permits(concurrency - old);
+        } else if concurrency < old {
+            let lane = self.clone();
+            tokio::spawn(async move {
+                if let Ok(permits) = lane.slots.acquire_many((old - concurrency) as u32).await {
+                    permits.forget();
+                }
+            });
+        }
+    }
+
     fn oldest_wait_ms(&self) -> u64 {
         let since = self.waiting_since.lock().unwrap();
         since.values().map(|t| t.elapsed().as_millis() as u64).max().unwrap_or(0)
@@ -240,7 +260,7 @@ impl Lane {
             waiting: self.waiting.load(Ordering::Relaxed),
             running: self.running.load(Ordering::Relaxed),
             capacity: self.capacity,
-            concurrency: self.concurrency,
+            concurrency: self.concurrency.load(Ordering::Relaxed),
             oldest_wait_ms: self.oldest_wait_ms(),
             estimated_delay_ms: self.estimated_delay_ms(),
             ms_per_token: rates.decode_ms_per_token,
@@ -271,7 +291,12 @@ struct Inner {
     memory: MemoryConfig,
     planner: Planner,
     gpu: Lane,
-    cpu: Lane,
+    cpu: Arc<Lane>,
+    /// What the settings screen changed last (applied), and where it persists.
+    settings: Mutex<Settings>,
+    settings_file: Option<SettingsFile>,
+    /// One settings change at a time.
+    updating_settings: tokio::sync::Mutex<()>,
     /// Host RAM held by CPU-path requests, so redirects never exhaust it.
     host_ledger: Ledger,
     /// GPU memory the router has granted to requests it started, from the moment it grants it:
@@ -295,6 +320,29 @@ struct LaneRefusal {
     reason: String,
     retry_after_s: u64,
     estimated_delay_ms: Option<u64>,
+}
+
+/// What a settings change did.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SettingsUpdate {
+    pub settings: Settings,
+    /// The settings that changed.
+    pub changed: Vec<String>,
+    /// Changed settings that take effect at the next start.
+    pub restart_required: Vec<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SettingsError {
+    /// The change is not valid; nothing was applied.
+    #[error("{0}")]
+    Invalid(String),
+    /// A valid change could not be applied (a new CPU worker failed to start); nothing changed.
+    #[error("{0}")]
+    NotApplied(String),
+    /// Applied, but not saved: it is lost at the next start.
+    #[error("{0}")]
+    NotSaved(String),
 }
 
 /// What cancelling a request by id did.
@@ -321,7 +369,18 @@ struct StoredBody {
 impl Dispatcher {
     /// Wraps a started supervisor and an opened journal, and re-runs what the journal shows a
     /// crash left unfinished (its clients collect results by id or idempotency key).
-    pub fn start(supervisor: Supervisor, journal: Journal, planner: Planner, memory: MemoryConfig, queues: QueueConfig) -> Result<(Self, Vec<Recovery>), SubmitError> {
+    /// `settings` are the ones in force at start (the supervisor was started with their CPU
+    /// worker and pause state); changes through [`Dispatcher::update_settings`] are saved to
+    /// `settings_file` when there is one.
+    pub fn start(
+        supervisor: Supervisor,
+        journal: Journal,
+        planner: Planner,
+        memory: MemoryConfig,
+        queues: QueueConfig,
+        settings: Settings,
+        settings_file: Option<SettingsFile>,
+    ) -> Result<(Self, Vec<Recovery>), SubmitError> {
         let config = supervisor.config();
         let gpu_concurrency = config.gpu.as_ref().map(|g| g.max_concurrency as usize).unwrap_or(0);
         let cpu_concurrency = config.cpu.max_concurrency as usize;
@@ -331,7 +390,10 @@ impl Dispatcher {
             journal,
             planner,
             gpu: Lane::new("gpu", queues.gpu_queue_capacity, gpu_concurrency),
-            cpu: Lane::new("cpu", queues.cpu_queue_capacity, cpu_concurrency),
+            cpu: Arc::new(Lane::new("cpu", queues.cpu_queue_capacity, cpu_concurrency)),
+            settings: Mutex::new(settings),
+            settings_file,
+            updating_settings: tokio::sync::Mutex::new(()),
             host_ledger: Ledger::new("host", host_total.saturating_sub(memory.host_reserve_bytes(host_total))),
             gpu_ledger: Ledger::new("gpu", u64::MAX),
             gpu_grant: Mutex::new(()),
@@ -381,11 +443,51 @@ impl Dispatcher {
     }
 
     pub fn queues(&self) -> Vec<QueueStatus> {
-        [&self.inner.gpu, &self.inner.cpu]
+        [&self.inner.gpu, &*self.inner.cpu]
             .into_iter()
             .filter(|l| l.device == "cpu" || self.inner.supervisor.config().gpu.is_some())
             .map(Lane::status)
             .collect()
+    }
+
+    /// The file settings are saved to, if any.
+    pub fn settings_path(&self) -> Option<String> {
+        self.inner.settings_file.as_ref().map(|f| f.path.display().to_string())
+    }
+
+    /// The settings in force now.
+    pub fn settings(&self) -> Settings {
+        self.inner.settings.lock().unwrap().clone()
+    }
+
+    /// Applies a JSON merge patch of settings, live where possible: the VRAM reserve from the
+    /// next admission, the GPU pause at once (running GPU requests finish), CPU concurrency,
+    /// context and fallback model by starting a new CPU worker and switching to it when ready.
+    /// Then saves them. The GPU device waits for a restart.
+    pub async fn update_settings(&self, patch: &serde_json::Value) -> Result<SettingsUpdate, SettingsError> {
+        let _one_at_a_time = self.inner.updating_settings.lock().await;
+        let current = self.settings();
+        let next = current.patched(patch).map_err(SettingsError::Invalid)?;
+        let changed = next.changed_from(&current);
+        let supervisor = &self.inner.supervisor;
+        let mut setup = supervisor.cpu_setup();
+        setup.options.max_concurrency = next.cpu_max_concurrency;
+        setup.options.max_context_tokens = Some(next.cpu_max_context_tokens);
+        setup.fallback_model_dir = next.fallback_model.clone();
+        supervisor
+            .replace_cpu_worker(CpuSetup { ..setup })
+            .await
+            .map_err(|e| SettingsError::NotApplied(format!("the CPU worker could not start with these settings, so nothing changed: {e}")))?;
+        self.inner.cpu.resize(next.cpu_max_concurrency as usize);
+        self.queue_changed(&self.inner.cpu);
+        supervisor.set_gpu_paused(next.gpu_paused);
+        *self.inner.settings.lock().unwrap() = next.clone();
+        let restart_required: Vec<String> = changed.iter().filter(|c| RESTART_SETTINGS.contains(&c.as_str())).cloned().collect();
+        supervisor.emit(EventKind::SettingsChanged { settings: next.clone(), changed: changed.clone(), restart_required: restart_required.clone() });
+        if let Some(file) = &self.inner.settings_file {
+            file.save(&next).map_err(|e| SettingsError::NotSaved(format!("applied, but {e}; it will be lost at the next start")))?;
+        }
+        Ok(SettingsUpdate { settings: next, changed, restart_required })
     }
 
     /// Cancels a queued or running request by id; it frees its place and reservation at once.
@@ -422,7 +524,8 @@ impl Dispatcher {
     /// while the breaker is closed, else the CPU).
     pub fn estimated_delay_ms(&self) -> Option<u64> {
         let s = &self.inner.supervisor;
-        if s.config().gpu.is_some() && !s.status().degraded {
+        let status = s.status();
+        if s.config().gpu.is_some() && !status.degraded && !status.gpu_paused {
             self.inner.gpu.estimated_delay_ms()
         } else {
             self.inner.cpu.estimated_delay_ms()
@@ -557,7 +660,7 @@ impl Dispatcher {
     /// for other programs, weights, what requests hold, observed free memory.
     pub fn gpu_budget(&self) -> Option<Budget> {
         let s = &self.inner.supervisor;
-        if s.config().gpu.is_none() || s.status().degraded {
+        if s.config().gpu.is_none() || s.status().degraded || s.gpu_paused() {
             return None;
         }
         let worker = s.gpu_worker()?;
@@ -568,11 +671,19 @@ impl Dispatcher {
         let unseen = granted.saturating_sub(reading.reserved_bytes);
         Some(Budget {
             total_bytes: total,
-            reserve_bytes: self.inner.memory.vram_reserve_bytes(total),
+            reserve_bytes: self.vram_reserve_bytes(total),
             weights_bytes: reading.weights_bytes,
             held_bytes: reading.reserved_bytes.max(granted),
             observed_free_bytes: reading.used_bytes.map(|u| total.saturating_sub(u).saturating_sub(unseen)),
         })
+    }
+
+    /// The VRAM kept free for other programs: the settings' reserve, else the config's rule.
+    fn vram_reserve_bytes(&self, total: u64) -> u64 {
+        match self.inner.settings.lock().unwrap().vram_reserve_mib {
+            Some(mib) => mib * headroom_memory::MIB,
+            None => self.inner.memory.vram_reserve_bytes(total),
+        }
     }
 
     /// Reserves `bytes` of GPU memory if the budget has them now.
@@ -584,14 +695,16 @@ impl Dispatcher {
 
     fn host_budget(&self) -> Budget {
         let ledger = &self.inner.host_ledger;
+        let host = headroom_memory::observe::host_memory();
+        // The ledger's capacity already leaves the reserve out; the budget names the reserve
+        // (for reasons) and keeps it out of live free RAM too.
+        let reserve = host.map(|h| self.inner.memory.host_reserve_bytes(h.total_bytes)).unwrap_or(0);
         Budget {
-            total_bytes: ledger.capacity_bytes(),
-            reserve_bytes: 0,
+            total_bytes: ledger.capacity_bytes() + reserve,
+            reserve_bytes: reserve,
             weights_bytes: 0,
             held_bytes: ledger.held_bytes(),
-            // The host reserve is kept out of the ledger's capacity; live free RAM must also keep it.
-            observed_free_bytes: headroom_memory::observe::host_memory()
-                .map(|h| h.available_bytes.saturating_sub(self.inner.memory.host_reserve_bytes(h.total_bytes))),
+            observed_free_bytes: host.map(|h| h.available_bytes),
         }
     }
 
@@ -608,7 +721,11 @@ impl Dispatcher {
         let grant_guard = self.inner.gpu_grant.lock().unwrap();
         let gpu_budget = self.gpu_budget();
         let gpu_eta = self.inner.gpu.estimated_delay_ms();
-        let admission = self.inner.planner.decide(shape, sub.allow, gpu_budget.as_ref(), &self.host_budget(), |_| gpu_eta);
+        let admission = if self.inner.supervisor.gpu_paused() && self.inner.supervisor.config().gpu.is_some() {
+            self.inner.planner.decide_without_gpu("the GPU is paused in settings", shape, sub.allow, &self.host_budget())
+        } else {
+            self.inner.planner.decide(shape, sub.allow, gpu_budget.as_ref(), &self.host_budget(), |_| gpu_eta)
+        };
         let gpu_grant = match &admission {
             Admission::Gpu { .. } | Admission::Shrink { .. } => {
                 let max_tokens = match &admission {
@@ -638,7 +755,7 @@ impl Dispatcher {
             Admission::Cpu { .. } => false,
             Admission::Refuse { reason, retry_after_s } => return Err(refuse(reason.clone(), *retry_after_s, gpu_eta)),
         };
-        let lane = if on_gpu { &self.inner.gpu } else { &self.inner.cpu };
+        let lane = if on_gpu { &self.inner.gpu } else { &*self.inner.cpu };
         // A client that said how long it waits gets a capacity error now rather than a reply
         // after it gave up: the expected wait plus generation time, from measured rates.
         let run_ms = lane.expected_run_ms(shape.prompt_tokens, shape.max_tokens);
@@ -765,7 +882,7 @@ impl Dispatcher {
     ) -> Result<Completion, Ended> {
         let inner = &self.inner;
         let id = sub.run.request_id.clone();
-        let lane = if on_gpu { &inner.gpu } else { &inner.cpu };
+        let lane = if on_gpu { &inner.gpu } else { &*inner.cpu };
         let max_tokens = sub.run.request.max_tokens as u64;
         let prompt_tokens = sub.run.request.prompt_tokens.len() as u64;
         let queued_at = Instant::now();
@@ -845,7 +962,7 @@ impl Dispatcher {
                     outcome.degraded = true;
                     outcome.degraded_reason = Some(format!("served by the CPU worker: {admission}"));
                 }
-                let finishing_lane = if outcome.device == "cpu" { &inner.cpu } else { &inner.gpu };
+                let finishing_lane = if outcome.device == "cpu" { &*inner.cpu } else { &inner.gpu };
                 if outcome.failovers.is_empty() {
                     let total_ms = started.elapsed().as_secs_f64() * 1000.0;
                     finishing_lane.observe(outcome.prompt_tokens, outcome.prefill_ms, outcome.completion_tokens, (total_ms - outcome.prefill_ms).max(0.0));
@@ -904,6 +1021,22 @@ mod tests {
         let q = QueueConfig::from_toml("[queues]\ncpu_queue_capacity = 3\n").unwrap();
         assert_eq!((q.gpu_queue_capacity, q.cpu_queue_capacity), (64, 3));
         assert!(QueueConfig::from_toml("[queues]\ncpu_queue = 3\n").unwrap_err().to_string().contains("cpu_queue"));
+    }
+
+    #[tokio::test]
+    async fn a_lane_resized_by_settings_gives_and_takes_back_slots() {
+        let lane = Arc::new(Lane::new("cpu", 4, 1));
+        let running = lane.slots.acquire().await.unwrap();
+        lane.resize(3);
+        assert_eq!(lane.slots.available_permits(), 2, "two more slots at once");
+        lane.resize(1);
+        // Taken back as they free: the running request keeps its slot until it ends.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(lane.slots.available_permits(), 0);
+        drop(running);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(lane.slots.available_permits(), 1);
+        assert_eq!(lane.status().concurrency, 1);
     }
 
     #[test]

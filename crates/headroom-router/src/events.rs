@@ -28,6 +28,10 @@ pub enum EventKind {
     BreakerChanged { from: BreakerState, to: BreakerState, reason: String },
     /// The service entered (`degraded: true`) or left degraded mode: GPU requests go to the CPU.
     Degraded { degraded: bool, reason: String },
+    /// The GPU was paused or resumed in settings (the person's choice, not a failure).
+    GpuPaused { paused: bool, reason: String },
+    /// Settings changed: all of them now, which changed, and which of those wait for a restart.
+    SettingsChanged { settings: crate::settings::Settings, changed: Vec<String>, restart_required: Vec<String> },
     WorkerStarted { device: String, pid: u32, simulated: bool, load_ms: f64, bundle_hash: String },
     WorkerExited { device: String, pid: u32, status: String },
     WorkerRestartScheduled { device: String, attempt: u32, delay_ms: u64, reason: String },

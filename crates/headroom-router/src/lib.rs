@@ -8,14 +8,16 @@ pub mod dispatch;
 pub mod events;
 pub mod journal;
 mod metrics;
+pub mod settings;
 pub mod supervisor;
 pub mod worker;
 
 pub use breaker::{Breaker, BreakerConfig, BreakerState, FailureCause};
-pub use dispatch::{CancelOutcome, Completion, Dispatcher, QueueConfig, QueueStatus, Submission, SubmitError, Ticket};
+pub use dispatch::{CancelOutcome, Completion, Dispatcher, QueueConfig, QueueStatus, SettingsError, SettingsUpdate, Submission, SubmitError, Ticket};
 pub use events::{EventKind, ServiceEvent};
 pub use journal::{Accepted, Journal, JournalError, NewRequest, Recovery, RequestRecord, RequestState, Transition};
-pub use supervisor::{CancelSignal, DeviceStatus, FailoverRecord, RunOutcome, RunRequest, StreamedToken, SupervisionConfig, Supervisor, SupervisorConfig, Target};
+pub use settings::{Settings, SettingsFile};
+pub use supervisor::{CancelSignal, CpuSetup, DeviceStatus, FailoverRecord, RunOutcome, RunRequest, StreamedToken, SupervisionConfig, Supervisor, SupervisorConfig, Target};
 pub use worker::{Worker, WorkerSpec};
 
 #[derive(Debug, thiserror::Error)]

@@ -73,6 +73,17 @@ pub struct SupervisorConfig {
     /// A smaller model for the CPU worker; responses it serves then say so.
     pub cpu_fallback_model_dir: Option<PathBuf>,
     pub supervision: SupervisionConfig,
+    /// Start with the GPU paused (settings): the GPU worker is not started until unpaused.
+    pub gpu_paused: bool,
+}
+
+/// What the CPU worker runs: its options and model. Settings change it live
+/// ([`Supervisor::replace_cpu_worker`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CpuSetup {
+    pub options: WorkerOptions,
+    /// A smaller model folder; None: the served model.
+    pub fallback_model_dir: Option<PathBuf>,
 }
 
 impl SupervisorConfig {
@@ -84,6 +95,7 @@ impl SupervisorConfig {
             cpu: WorkerOptions::new(DeviceKind::Cpu),
             cpu_fallback_model_dir: None,
             supervision: SupervisionConfig::default(),
+            gpu_paused: false,
         }
     }
 }
@@ -191,6 +203,12 @@ struct Inner {
     /// Faults that model the environment (a competing program, a slow card) outlive restarts.
     sim_environment: Mutex<Vec<Fault>>,
     shutting_down: std::sync::atomic::AtomicBool,
+    /// The CPU worker's options and model now (the config holds those it started with).
+    cpu_setup: RwLock<CpuSetup>,
+    /// One CPU worker replacement at a time.
+    replacing_cpu: tokio::sync::Mutex<()>,
+    /// The GPU paused from settings: nothing new goes to it, and its worker exits once idle.
+    gpu_paused: tokio::sync::watch::Sender<bool>,
 }
 
 #[derive(Clone)]
@@ -204,6 +222,8 @@ pub struct DeviceStatus {
     pub breaker: BreakerState,
     pub reason: String,
     pub degraded: bool,
+    /// Paused from settings (the person's choice, not a failure): requests go to the CPU.
+    pub gpu_paused: bool,
     pub gpu: Option<WorkerStatus>,
     pub cpu: Option<WorkerStatus>,
 }
@@ -237,6 +257,9 @@ impl Supervisor {
         let (events, _) = broadcast::channel(1024);
         let inner = Arc::new(Inner {
             breaker: Mutex::new(Breaker::new(config.supervision.breaker.clone())),
+            cpu_setup: RwLock::new(CpuSetup { options: config.cpu.clone(), fallback_model_dir: config.cpu_fallback_model_dir.clone() }),
+            replacing_cpu: tokio::sync::Mutex::new(()),
+            gpu_paused: tokio::sync::watch::channel(config.gpu_paused).0,
             config,
             gpu: RwLock::new(None),
             cpu: RwLock::new(None),
@@ -246,7 +269,8 @@ impl Supervisor {
         });
         let supervisor = Supervisor { inner };
         let cpu_spec = supervisor.cpu_spec();
-        let gpu_spec = supervisor.gpu_spec();
+        // A paused GPU's worker starts when it is unpaused.
+        let gpu_spec = supervisor.gpu_spec().filter(|_| !supervisor.gpu_paused());
         let (cpu, gpu) = tokio::join!(Worker::spawn(&cpu_spec), async {
             match &gpu_spec {
                 Some(spec) => Some(Worker::spawn(spec).await),
@@ -258,7 +282,7 @@ impl Supervisor {
         *supervisor.inner.cpu.write().unwrap() = Some(cpu.clone());
         match gpu {
             Some(Ok(gpu)) => {
-                if supervisor.inner.config.cpu_fallback_model_dir.is_none() && gpu.ready.bundle_hash != cpu.ready.bundle_hash {
+                if supervisor.cpu_setup().fallback_model_dir.is_none() && gpu.ready.bundle_hash != cpu.ready.bundle_hash {
                     return Err(Error::Worker(format!(
                         "the GPU and CPU workers loaded different models ({} vs {}); point both at one folder or configure a fallback model",
                         &gpu.ready.bundle_hash[..12.min(gpu.ready.bundle_hash.len())],
@@ -282,12 +306,62 @@ impl Supervisor {
     }
 
     fn cpu_spec(&self) -> WorkerSpec {
+        self.cpu_spec_for(&self.cpu_setup())
+    }
+
+    fn cpu_spec_for(&self, setup: &CpuSetup) -> WorkerSpec {
         let c = &self.inner.config;
         WorkerSpec {
             program: c.program.clone(),
-            options: c.cpu.clone(),
-            model_dir: c.cpu_fallback_model_dir.clone().unwrap_or_else(|| c.model_dir.clone()),
+            options: setup.options.clone(),
+            model_dir: setup.fallback_model_dir.clone().unwrap_or_else(|| c.model_dir.clone()),
             load_timeout: Duration::from_millis(c.supervision.load_timeout_ms),
+        }
+    }
+
+    /// The CPU worker's options and model now.
+    pub fn cpu_setup(&self) -> CpuSetup {
+        self.inner.cpu_setup.read().unwrap().clone()
+    }
+
+    /// Replaces the CPU worker with one started from `setup`, without a gap: the new worker
+    /// loads beside the old one, takes new requests once ready, and the old one exits when its
+    /// running requests have finished. If the new one fails to start, the old one stays.
+    pub async fn replace_cpu_worker(&self, setup: CpuSetup) -> Result<()> {
+        let _one_at_a_time = self.inner.replacing_cpu.lock().await;
+        if setup == self.cpu_setup() {
+            return Ok(());
+        }
+        let new = Worker::spawn(&self.cpu_spec_for(&setup)).await?;
+        if setup.fallback_model_dir.is_none() {
+            // Without a fallback model both workers must hold the served model.
+            if let Some(gpu) = self.gpu_worker().filter(|g| g.ready.bundle_hash != new.ready.bundle_hash) {
+                new.kill();
+                return Err(Error::Worker(format!("the new CPU worker loaded another model than the GPU's ({})", gpu.ready.model_name)));
+            }
+        }
+        *self.inner.cpu_setup.write().unwrap() = setup;
+        self.announce(&new);
+        let old = self.inner.cpu.write().unwrap().replace(new);
+        if let Some(old) = old {
+            tokio::spawn(retire_when_idle(old));
+        }
+        Ok(())
+    }
+
+    /// Whether the GPU is paused from settings.
+    pub fn gpu_paused(&self) -> bool {
+        *self.inner.gpu_paused.borrow()
+    }
+
+    /// Pauses the GPU (nothing new goes to it; its worker exits once its running requests end,
+    /// freeing its VRAM) or resumes it (the worker starts again).
+    pub fn set_gpu_paused(&self, paused: bool) {
+        if self.inner.gpu_paused.send_replace(paused) != paused && self.inner.config.gpu.is_some() {
+            self.emit(EventKind::GpuPaused {
+                paused,
+                reason: if paused { "GPU paused in settings; requests go to the CPU worker".into() } else { "GPU resumed in settings; its worker is starting".into() },
+            });
         }
     }
 
@@ -351,6 +425,7 @@ impl Supervisor {
             breaker: breaker.state(),
             reason: breaker.reason().to_string(),
             degraded: self.inner.config.gpu.is_some() && !breaker.allows_requests(),
+            gpu_paused: self.inner.config.gpu.is_some() && self.gpu_paused(),
             gpu: self.inner.gpu.read().unwrap().as_deref().map(status_of),
             cpu: self.inner.cpu.read().unwrap().as_deref().map(status_of),
         }
@@ -409,9 +484,24 @@ impl Supervisor {
         // The breaker's opening count when the current worker was started: a worker older than
         // the latest opening is not trusted and is replaced before the probe.
         let mut worker_epoch = self.inner.breaker.lock().unwrap().times_opened();
+        let mut paused = self.inner.gpu_paused.subscribe();
         loop {
             if self.shutting_down() {
                 return;
+            }
+            if self.gpu_paused() {
+                if let Some(worker) = self.gpu_worker() {
+                    // Requests already on it finish; nothing new is sent while paused.
+                    self.clear_gpu(&worker);
+                    retire_when_idle(worker.clone()).await;
+                    self.emit(EventKind::WorkerExited { device: worker.device.label(), pid: worker.pid, status: "stopped: the GPU is paused".into() });
+                }
+                tokio::select! {
+                    _ = async { let _ = paused.wait_for(|p| !*p).await; } => {}
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                }
+                attempt = 0;
+                continue;
             }
             let worker = match self.gpu_worker() {
                 Some(w) => w,
@@ -483,6 +573,7 @@ impl Supervisor {
                 self.inner.config.supervision.health_interval().min(Duration::from_millis(50))
             };
             tokio::select! {
+                _ = async { let _ = paused.wait_for(|p| *p).await; } => {}
                 info = worker.wait_exited() => {
                     self.emit(EventKind::WorkerExited { device: worker.device.label(), pid: worker.pid, status: info.status.clone() });
                     self.trip(FailureCause::DeviceLost, &format!("GPU worker (pid {}) {}", worker.pid, info.status));
@@ -572,7 +663,7 @@ impl Supervisor {
         let mut rng_word_pos: Option<String> = None;
         let mut failovers: Vec<FailoverRecord> = Vec::new();
         let mut failed_at: Option<Instant> = None;
-        let mut use_gpu = target == Target::Auto && self.inner.breaker.lock().unwrap().allows_requests();
+        let mut use_gpu = target == Target::Auto && !self.gpu_paused() && self.inner.breaker.lock().unwrap().allows_requests();
         loop {
             let worker = if use_gpu { self.gpu_worker() } else { None };
             let worker = match worker {
@@ -641,7 +732,7 @@ impl Supervisor {
                         let degraded_reason = degraded.then(|| {
                             failovers.last().map(|f| f.reason.clone()).unwrap_or_else(|| status.reason.clone())
                         });
-                        let fallback_model = (on_cpu && self.inner.config.cpu_fallback_model_dir.is_some())
+                        let fallback_model = (on_cpu && self.cpu_setup().fallback_model_dir.is_some())
                             .then(|| worker.ready.model_name.clone());
                         return Ok(RunOutcome {
                             request_id: run.request_id,
@@ -704,6 +795,19 @@ impl Supervisor {
             });
             use_gpu = false;
         }
+    }
+}
+
+/// Lets a worker that no longer gets new requests finish the ones it runs, then stops it.
+async fn retire_when_idle(worker: Arc<Worker>) {
+    // A request that picked this worker just before it was replaced may not have reached it yet.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    while worker.active_requests() > 0 && !worker.has_exited() {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    worker.shutdown().await;
+    if tokio::time::timeout(Duration::from_secs(5), worker.wait_exited()).await.is_err() {
+        worker.kill();
     }
 }
 

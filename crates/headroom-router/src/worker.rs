@@ -343,6 +343,11 @@ impl Worker {
         self.routes.memory.subscribe()
     }
 
+    /// Requests this worker is generating now.
+    pub fn active_requests(&self) -> usize {
+        self.routes.requests.lock().unwrap().len()
+    }
+
     pub fn has_exited(&self) -> bool {
         self.exited.borrow().is_some()
     }

@@ -4,7 +4,7 @@
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use headroom_router::{JournalError, SubmitError};
+use headroom_router::{JournalError, SettingsError, SubmitError};
 use serde::Serialize;
 use utoipa::ToSchema;
 
@@ -93,6 +93,16 @@ impl From<SubmitError> for ApiError {
                 e
             }
             SubmitError::Journal(e) => Self::from(e),
+        }
+    }
+}
+
+impl From<SettingsError> for ApiError {
+    fn from(e: SettingsError) -> Self {
+        match e {
+            SettingsError::Invalid(m) => Self::invalid(None, m),
+            SettingsError::NotApplied(m) => Self::new(StatusCode::CONFLICT, "invalid_request_error", Some("settings_not_applied"), m),
+            SettingsError::NotSaved(m) => Self::internal(m),
         }
     }
 }

@@ -90,13 +90,25 @@ pub struct AppState {
     pub created_unix: u64,
 }
 
+impl AppState {
+    /// The limits a request is checked against now: without a GPU the CPU worker's context
+    /// limit from settings applies.
+    pub fn limits_now(&self) -> Limits {
+        let mut limits = self.limits.clone();
+        if self.dispatcher.supervisor().config().gpu.is_none() {
+            limits.context_tokens = limits.context_tokens.min(self.dispatcher.settings().cpu_max_context_tokens as usize);
+        }
+        limits
+    }
+}
+
 /// The whole HTTP app.
 pub fn app(state: Arc<AppState>, config: &ServerConfig) -> axum::Router {
     let mut origins: Vec<HeaderValue> = APP_ORIGINS.iter().map(|o| HeaderValue::from_static(o)).collect();
     origins.extend(config.cors_origins.iter().filter_map(|o| HeaderValue::from_str(o).ok()));
     let cors = tower_http::cors::CorsLayer::new()
         .allow_origin(origins)
-        .allow_methods([Method::GET, Method::POST])
+        .allow_methods([Method::GET, Method::POST, Method::PATCH])
         .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE, "idempotency-key".parse().unwrap(), "x-headroom-timeout-ms".parse().unwrap()])
         .expose_headers(routes::EXPOSED_HEADERS.map(|h| h.parse().unwrap()));
     let ui_dir = config.ui_dir.clone().filter(|d| d.join("index.html").is_file());

@@ -51,8 +51,8 @@ fn now_unix() -> u64 {
 #[derive(OpenApi)]
 #[openapi(
     info(title = "Headroom", description = "OpenAI-compatible local LLM service that survives running out of VRAM"),
-    paths(chat_completions, completions, models, request_status, cancel_request, status, events, healthz, readyz, metrics),
-    components(schemas(ErrorBody, StatusBody, ReadyBody, CancelBody))
+    paths(chat_completions, completions, models, request_status, cancel_request, status, settings, update_settings, events, healthz, readyz, metrics),
+    components(schemas(ErrorBody, StatusBody, ReadyBody, CancelBody, SettingsBody))
 )]
 pub struct ApiDoc;
 
@@ -64,6 +64,7 @@ pub fn router(state: Arc<AppState>, ui_dir: Option<std::path::PathBuf>) -> axum:
         .route("/v1/requests/{id}", get(request_status))
         .route("/v1/requests/{id}/cancel", post(cancel_request))
         .route("/v1/status", get(status))
+        .route("/v1/settings", get(settings).patch(update_settings))
         .route("/v1/events", get(events))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
@@ -216,7 +217,7 @@ fn tool_calls(state: &AppState, c: &Completion, tools: bool) -> (String, Vec<ope
 )]
 async fn chat_completions(State(state): Shared, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let (request, raw): (ChatCompletionRequest, Bytes) = parse_body(body)?;
-    let prepared = openai::prepare_chat(&state.bundle, &state.model_id, &state.limits, &request)?;
+    let prepared = openai::prepare_chat(&state.bundle, &state.model_id, &state.limits_now(), &request)?;
     serve(state, &headers, &raw, prepared, Kind::Chat).await
 }
 
@@ -232,7 +233,7 @@ async fn chat_completions(State(state): Shared, headers: HeaderMap, body: Result
 )]
 async fn completions(State(state): Shared, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let (request, raw): (CompletionRequest, Bytes) = parse_body(body)?;
-    let prepared = openai::prepare_completion(&state.bundle, &state.model_id, &state.limits, &request)?;
+    let prepared = openai::prepare_completion(&state.bundle, &state.model_id, &state.limits_now(), &request)?;
     serve(state, &headers, &raw, prepared, Kind::Text).await
 }
 
@@ -441,7 +442,8 @@ pub struct WorkerInfo {
     /// cuda:N, sim or cpu.
     pub device: String,
     pub pid: Option<u32>,
-    /// ready, probing (half-open breaker), or down (restarting or failed).
+    /// ready, starting (loaded, memory not reported yet), probing (half-open breaker), unhealthy,
+    /// paused (in settings), or down (restarting or failed).
     pub state: String,
     pub simulated: bool,
     pub model: Option<String>,
@@ -453,6 +455,8 @@ pub struct StatusBody {
     pub model: String,
     pub degraded: bool,
     pub degraded_reason: Option<String>,
+    /// The GPU is paused in settings: requests go to the CPU worker by choice, not failure.
+    pub gpu_paused: bool,
     /// closed, open or half_open.
     pub breaker: String,
     pub workers: Vec<WorkerInfo>,
@@ -471,8 +475,12 @@ fn status_body(state: &AppState) -> StatusBody {
     let mut workers = Vec::new();
     if let Some(gpu) = &supervisor.config().gpu {
         let w = s.gpu.as_ref();
+        // A worker that has not reported its memory yet cannot be admitted to.
+        let reported = || supervisor.gpu_worker().is_some_and(|w| w.memory().borrow().is_some());
         let state = match (w, s.breaker) {
+            _ if s.gpu_paused => "paused",
             (None, _) => "down",
+            (Some(_), headroom_router::BreakerState::Closed) if !reported() => "starting",
             (Some(_), headroom_router::BreakerState::Closed) => "ready",
             (Some(_), headroom_router::BreakerState::HalfOpen) => "probing",
             (Some(_), headroom_router::BreakerState::Open) => "unhealthy",
@@ -511,6 +519,7 @@ fn status_body(state: &AppState) -> StatusBody {
         model: state.model_id.clone(),
         degraded: s.degraded,
         degraded_reason: s.degraded.then(|| s.reason.clone()),
+        gpu_paused: s.gpu_paused,
         breaker,
         workers,
         queues: serde_json::to_value(d.queues()).unwrap_or_default(),
@@ -522,6 +531,41 @@ fn status_body(state: &AppState) -> StatusBody {
 #[utoipa::path(get, path = "/v1/status", responses((status = 200, description = "Devices, breaker, queues, delay and memory", body = StatusBody)))]
 async fn status(State(state): Shared) -> Json<StatusBody> {
     Json(status_body(&state))
+}
+
+/// The settings in force, as `GET /v1/settings` and a change return them.
+#[derive(Serialize, ToSchema)]
+pub struct SettingsBody {
+    #[schema(value_type = Object)]
+    pub settings: headroom_router::Settings,
+    /// Settings changed by this request (empty for GET).
+    pub changed: Vec<String>,
+    /// Changed settings that take effect at the next start.
+    pub restart_required: Vec<String>,
+    /// Where the settings are saved, if anywhere.
+    pub file: Option<String>,
+}
+
+#[utoipa::path(get, path = "/v1/settings", responses((status = 200, description = "The settings in force", body = SettingsBody)))]
+async fn settings(State(state): Shared) -> Json<SettingsBody> {
+    Json(SettingsBody { settings: state.dispatcher.settings(), changed: Vec::new(), restart_required: Vec::new(), file: state.dispatcher.settings_path() })
+}
+
+#[utoipa::path(
+    patch, path = "/v1/settings",
+    description = "Changes settings with a JSON merge patch, e.g. `{\"vram_reserve_mib\": 2048, \"gpu_paused\": true}`; `null` resets an optional one. Applied at once where possible (`restart_required` lists the rest) and saved.",
+    request_body(content = Object, description = "The settings to change"),
+    responses(
+        (status = 200, description = "Applied and saved", body = SettingsBody),
+        (status = 400, description = "Unknown setting or invalid value; nothing changed", body = ErrorBody),
+        (status = 409, description = "Valid, but the CPU worker could not start with it; nothing changed", body = ErrorBody),
+        (status = 500, description = "Applied but not saved", body = ErrorBody),
+    )
+)]
+async fn update_settings(State(state): Shared, body: Result<Bytes, BytesRejection>) -> Result<Json<SettingsBody>, ApiError> {
+    let (patch, _): (Value, Bytes) = parse_body(body)?;
+    let update = state.dispatcher.update_settings(&patch).await?;
+    Ok(Json(SettingsBody { settings: update.settings, changed: update.changed, restart_required: update.restart_required, file: state.dispatcher.settings_path() }))
 }
 
 #[utoipa::path(get, path = "/v1/events", description = "Server-sent service events (breaker, degraded, workers, failovers, memory samples, queue depth), one JSON object each, named by their `event` field.", responses((status = 200, description = "text/event-stream")))]
