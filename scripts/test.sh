@@ -44,7 +44,8 @@ npm --prefix ui run e2e
 
 step "desktop: src-tauri builds (outside default-members) and its committed IPC bindings are current"
 cargo test -p headroom-desktop
-cargo build -p headroom-desktop
+# The Tauri CLI (npm, in ui/): builds the UI, then the app in the dev profile, no bundle.
+npm run tauri:build
 
-step "desktop end-to-end: the app's real window under Xvfb through tauri-driver and WebKitWebDriver (chat, injected OOMs, degraded notice); screenshot in docs/screenshots"
+step "desktop end-to-end: the app's real window under Xvfb through tauri-driver and WebKitWebDriver (chat, GPU paused and resumed from Settings, injected OOMs, degraded notice); screenshot in docs/screenshots"
 NO_AT_BRIDGE=1 WEBKIT_DISABLE_COMPOSITING_MODE=1 xvfb-run -a dbus-run-session -- node ui/tests/desktop.mjs
