@@ -5,6 +5,7 @@
 
 pub mod bundle;
 pub mod config;
+mod cpu_decode;
 pub mod device;
 pub mod fixture;
 pub mod generate;

@@ -69,8 +69,8 @@ pub struct Llama<B: Backend> {
 /// Cosine and sine tables for every position up to the context length, `[positions, head_dim]`.
 #[derive(Debug, Clone)]
 pub struct RopeTables<B: Backend> {
-    cos: Tensor<B, 2>,
-    sin: Tensor<B, 2>,
+    pub(crate) cos: Tensor<B, 2>,
+    pub(crate) sin: Tensor<B, 2>,
     pub max_positions: usize,
 }
 
@@ -110,7 +110,7 @@ impl<B: Backend> RopeTables<B> {
     }
 }
 
-type LayerCache<B> = (Option<Tensor<B, 4>>, Option<Tensor<B, 4>>);
+pub(crate) type LayerCache<B> = (Option<Tensor<B, 4>>, Option<Tensor<B, 4>>);
 
 /// Keys and values for every layer, allocated once for the whole request (prompt + max_tokens)
 /// so a running generation never grows its memory.
@@ -124,7 +124,7 @@ pub struct KvCache<B: Backend> {
     /// Per layer (keys `[1, kv_heads, head_dim, capacity]`, values
     /// `[1, kv_heads, capacity, head_dim]`). Held in an `Option` so a step can take sole
     /// ownership and the backend writes new entries in place, not by copy.
-    layers: Vec<LayerCache<B>>,
+    pub(crate) layers: Vec<LayerCache<B>>,
     /// Tokens already stored.
     pub len: usize,
     pub capacity: usize,
@@ -313,7 +313,20 @@ impl<B: Backend> Llama<B> {
     }
 
     /// Feeds `tokens` (one sequence) at position `cache.len` and returns the logits of the last.
+    /// One new token on the CPU backend takes the direct decode step (`cpu_decode`).
     pub fn step(&self, tokens: &[u32], rope: &RopeTables<B>, cache: &mut KvCache<B>) -> Vec<f32> {
+        if let [token] = tokens {
+            if crate::cpu_decode::enabled() {
+                if let Some(logits) = crate::cpu_decode::try_step(self, *token, rope, cache) {
+                    return logits;
+                }
+            }
+        }
+        self.step_with_tensor_ops(tokens, rope, cache)
+    }
+
+    /// [`Llama::step`] through burn's tensor ops, on any backend.
+    pub fn step_with_tensor_ops(&self, tokens: &[u32], rope: &RopeTables<B>, cache: &mut KvCache<B>) -> Vec<f32> {
         let device = self.embed_tokens.weight.device();
         let ids: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
         let seq = ids.len();
