@@ -199,7 +199,7 @@ impl Server {
 
     async fn stop(mut self) {
         if let Some(pid) = self.child.id() {
-            let _ = std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status();
+            let _ = send_signal(pid, "TERM");
         }
         if tokio::time::timeout(Duration::from_secs(20), self.child.wait()).await.is_err() {
             let _ = self.child.kill().await;
@@ -925,8 +925,7 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
                 tokio::time::sleep(Duration::from_millis(60)).await;
                 mark(&timeline, &clock, format!("kill -9 GPU worker {pid}"));
                 let killed_at = clock.ms();
-                let status = std::process::Command::new("kill").args(["-9", &pid.to_string()]).status()?;
-                anyhow::ensure!(status.success(), "kill -9 {pid} failed");
+                send_signal(pid, "KILL")?;
                 Ok::<_, anyhow::Error>(killed_at)
             };
             let (record, killed_at) = tokio::join!(sending, killing);
@@ -1157,7 +1156,7 @@ async fn run_agent(gpu: PressureGpu, dir: &Path, clock: &Clock, timeline: &Share
                         if wait_running(&server, "gpu", 1, Duration::from_secs(20)).await.is_ok() {
                             if let Ok((Some(pid), _)) = server.gpu_worker().await {
                                 mark(timeline, clock, format!("agent: kill -9 GPU worker {pid}"));
-                                let _ = std::process::Command::new("kill").args(["-9", &pid.to_string()]).status();
+                                let _ = send_signal(pid, "KILL");
                             }
                         }
                     }
@@ -1247,6 +1246,15 @@ fn stream_tool_calls(text: &str) -> Vec<String> {
         .flat_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array().cloned().unwrap_or_default())
         .filter_map(|c| c["id"].as_str().map(str::to_string))
         .collect()
+}
+
+
+/// Sends `signal` (TERM, KILL) to a process, as a person would with `kill`: the harness acts on
+/// the server and its workers from outside, like the faults it stands for.
+fn send_signal(pid: u32, signal: &str) -> Result<()> {
+    let status = std::process::Command::new("kill").args([format!("-{signal}"), pid.to_string()]).status()?;
+    anyhow::ensure!(status.success(), "kill -{signal} {pid} failed");
+    Ok(())
 }
 
 #[cfg(test)]
