@@ -25,6 +25,11 @@ async fn api(with_sim_gpu: bool, api_key: Option<&str>) -> Api {
 }
 
 async fn api_saving_settings(with_sim_gpu: bool, api_key: Option<&str>, settings_file: Option<SettingsFile>) -> Api {
+    api_with(with_sim_gpu, api_key, settings_file, Settings::default()).await
+}
+
+/// An API whose service starts with `settings` in force (as `serve` does with a saved file).
+async fn api_with(with_sim_gpu: bool, api_key: Option<&str>, settings_file: Option<SettingsFile>, settings: Settings) -> Api {
     let model_dir = headroom_model::bundle::resolve_model_dir("default");
     let sim = with_sim_gpu.then(|| {
         let mut sim = WorkerOptions::new(DeviceKind::Sim);
@@ -34,11 +39,12 @@ async fn api_saving_settings(with_sim_gpu: bool, api_key: Option<&str>, settings
     let mut config = SupervisorConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_headroom")), model_dir.clone(), sim);
     config.cpu.max_concurrency = 1;
     config.supervision.health_interval_ms = 200;
+    config.gpu_paused = settings.gpu_paused;
     let supervisor = Supervisor::start(config).await.unwrap();
     let bundle = ModelBundle::open(&model_dir).unwrap();
     let memory = MemoryConfig::default();
     let (planner, _) = headroom_memory::planner_for(&bundle, "cpu", memory.clone());
-    let (dispatcher, _) = Dispatcher::start(supervisor, Journal::in_memory().unwrap(), planner, memory, QueueConfig::default(), Settings::default(), settings_file).unwrap();
+    let (dispatcher, _) = Dispatcher::start(supervisor, Journal::in_memory().unwrap(), planner, memory, QueueConfig::default(), settings, settings_file).unwrap();
     let state = Arc::new(AppState {
         dispatcher: dispatcher.clone(),
         limits: Limits { context_tokens: bundle.config.max_position_embeddings, default_max_tokens: 32 },
@@ -360,5 +366,22 @@ async fn settings_apply_live_persist_and_refuse_bad_values() {
     // All of it was saved, and survives a restart (the file is what `serve` reads).
     let saved = file.load().unwrap().unwrap();
     assert_eq!((saved.vram_reserve_mib, saved.gpu_paused, saved.cpu_max_concurrency, saved.gpu_device), (Some(100), false, 2, 1));
+    api.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_saved_as_paused_is_not_started_until_resumed() {
+    let api = api_with(true, None, None, Settings { gpu_paused: true, ..Settings::default() }).await;
+    let status = api.call("GET", "/v1/status", &[], None).await.json();
+    assert_eq!(status["gpu_paused"], true);
+    assert!(gpu_worker(&status)["pid"].is_null(), "no GPU worker while paused: {status}");
+    let metrics = api.call("GET", "/metrics", &[], None).await.text;
+    assert!(metrics.lines().any(|l| l.starts_with("headroom_gpu_paused ") && l.ends_with(" 1")), "{metrics}");
+    let reply = api.chat(chat_body(2, 1, false), &[]).await;
+    assert_eq!(reply.header("x-headroom-device"), "cpu");
+    let r = api.call("PATCH", "/v1/settings", &[], Some(r#"{"gpu_paused": false}"#.into())).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    wait_for_status(&api, "the GPU worker to start", |s| gpu_worker(s)["state"] == "ready" && s["memory"]["vram_reserve_bytes"].is_u64()).await;
+    assert_eq!(api.chat(chat_body(2, 1, false), &[]).await.header("x-headroom-device"), "sim");
     api.stop().await;
 }

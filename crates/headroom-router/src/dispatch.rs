@@ -543,6 +543,7 @@ impl Dispatcher {
             crate::BreakerState::Open => 2,
         });
         m.degraded.set(i64::from(status.degraded));
+        m.gpu_paused.set(i64::from(status.gpu_paused));
         for q in self.queues() {
             let label = crate::metrics::device(&q.device);
             m.queue_waiting.get_or_create(&label).set(q.waiting as i64);

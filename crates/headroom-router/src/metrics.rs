@@ -39,6 +39,7 @@ pub(crate) struct Metrics {
     /// 0 closed, 1 half-open, 2 open.
     pub breaker_state: Gauge,
     pub degraded: Gauge,
+    pub gpu_paused: Gauge,
     pub queue_waiting: Family<DeviceLabel, Gauge>,
     pub queue_running: Family<DeviceLabel, Gauge>,
     pub queue_capacity: Family<DeviceLabel, Gauge>,
@@ -67,6 +68,7 @@ impl Metrics {
             generated_tokens: Family::default(),
             breaker_state: Gauge::default(),
             degraded: Gauge::default(),
+            gpu_paused: Gauge::default(),
             queue_waiting: Family::default(),
             queue_running: Family::default(),
             queue_capacity: Family::default(),
@@ -88,6 +90,7 @@ impl Metrics {
         m.registry.register("generated_tokens", "Tokens generated, by device", m.generated_tokens.clone());
         m.registry.register("breaker_state", "GPU circuit breaker: 0 closed, 1 half-open, 2 open", m.breaker_state.clone());
         m.registry.register("degraded", "1 while GPU requests are served by the CPU worker", m.degraded.clone());
+        m.registry.register("gpu_paused", "1 while the GPU is paused in settings (requests go to the CPU worker by choice)", m.gpu_paused.clone());
         m.registry.register("queue_waiting", "Requests waiting for a slot", m.queue_waiting.clone());
         m.registry.register("queue_running", "Requests running", m.queue_running.clone());
         m.registry.register("queue_capacity", "Requests that may wait before a capacity error", m.queue_capacity.clone());
