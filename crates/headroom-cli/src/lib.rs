@@ -83,28 +83,11 @@ enum Command {
     Plan {
         #[arg(long, default_value = "default")]
         model: String,
-        #[arg(long)]
-        prompt_tokens: u64,
-        #[arg(long)]
-        max_tokens: u64,
-        #[arg(long, default_value_t = 256)]
-        prefill_chunk: u64,
-        /// Plan for a GPU of this size instead of the one NVML reports.
-        #[arg(long)]
-        vram_total_mib: Option<u64>,
-        /// Free VRAM to assume (default: NVML's reading, or all of it with --vram-total-mib).
-        #[arg(long)]
-        vram_free_mib: Option<u64>,
-        #[arg(long)]
-        vram_reserve_mib: Option<u64>,
-        /// The client accepts a smaller max_tokens.
-        #[arg(long)]
-        allow_shrink: bool,
         /// A Headroom config file (TOML); its [memory] table sets the policy.
         #[arg(long, env = "HEADROOM_CONFIG")]
         config: Option<PathBuf>,
-        #[arg(long)]
-        json: bool,
+        #[command(flatten)]
+        plan: memory::PlanArgs,
     },
     /// Measure this model's activation workspace on the CPU engine and store it in the model
     /// folder (headroom-calibration.json), where admission reads it.
@@ -244,34 +227,10 @@ where
             };
             run_generate(args, device)
         }
-        Command::Plan {
-            model,
-            prompt_tokens,
-            max_tokens,
-            prefill_chunk,
-            vram_total_mib,
-            vram_free_mib,
-            vram_reserve_mib,
-            allow_shrink,
-            config,
-            json,
-        } => {
+        Command::Plan { model, config, plan } => {
             let bundle = open_bundle(&model)?;
             let config = headroom_memory::MemoryConfig::load(config.as_deref())?;
-            memory::plan(
-                &bundle,
-                config,
-                memory::PlanArgs {
-                    prompt_tokens,
-                    max_tokens,
-                    prefill_chunk,
-                    vram_total_mib,
-                    vram_free_mib,
-                    vram_reserve_mib,
-                    allow_shrink,
-                    json,
-                },
-            )
+            memory::plan(&bundle, config, plan)
         }
         Command::Calibrate { model, dry_run } => memory::calibrate_command(&open_bundle(&model)?, dry_run),
         Command::Bench {

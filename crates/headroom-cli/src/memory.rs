@@ -15,14 +15,26 @@ use headroom_model::{generate, CancelToken, CpuBackend, GenerateRequest, Llama, 
 #[global_allocator]
 pub static ALLOCATOR: CountingAllocator = CountingAllocator::new();
 
+#[derive(clap::Args, Debug)]
 pub struct PlanArgs {
+    #[arg(long)]
     pub prompt_tokens: u64,
+    #[arg(long)]
     pub max_tokens: u64,
+    #[arg(long, default_value_t = 256)]
     pub prefill_chunk: u64,
+    /// Plan for a GPU of this size instead of the one NVML reports.
+    #[arg(long)]
     pub vram_total_mib: Option<u64>,
+    /// Free VRAM to assume (default: NVML's reading, or all of it with --vram-total-mib).
+    #[arg(long)]
     pub vram_free_mib: Option<u64>,
+    #[arg(long)]
     pub vram_reserve_mib: Option<u64>,
+    /// The client accepts a smaller max_tokens.
+    #[arg(long)]
     pub allow_shrink: bool,
+    #[arg(long)]
     pub json: bool,
 }
 

@@ -16,7 +16,7 @@ use crate::events::EventKind;
 use crate::metrics::{FailoverLabels, Metrics, OutcomeLabels};
 use crate::journal::{Accepted, Journal, JournalError, NewRequest, Recovery, RequestState, Transition};
 use crate::settings::{Settings, SettingsFile, RESTART_SETTINGS};
-use crate::supervisor::{CancelSignal, CpuSetup, RunOutcome, RunRequest, StreamedToken, Supervisor, Target};
+use crate::supervisor::{CancelSignal, RunOutcome, RunRequest, StreamedToken, Supervisor, Target};
 use crate::Error;
 
 /// Queue limits: the `[queues]` table of the config file.
@@ -475,7 +475,7 @@ impl Dispatcher {
         setup.options.max_context_tokens = Some(next.cpu_max_context_tokens);
         setup.fallback_model_dir = next.fallback_model.clone();
         supervisor
-            .replace_cpu_worker(CpuSetup { ..setup })
+            .replace_cpu_worker(setup)
             .await
             .map_err(|e| SettingsError::NotApplied(format!("the CPU worker could not start with these settings, so nothing changed: {e}")))?;
         self.inner.cpu.resize(next.cpu_max_concurrency as usize);
