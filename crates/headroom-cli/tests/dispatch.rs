@@ -8,7 +8,8 @@ use headroom_memory::{Allowances, MemoryConfig};
 use headroom_model::{GenerateRequest, ModelBundle, SamplingParams};
 use headroom_router::journal::{NewRequest, TransitionRecord};
 use headroom_router::{
-    Dispatcher, Journal, QueueConfig, RequestState, RunRequest, Settings, Submission, SubmitError, Supervisor, SupervisorConfig, Transition,
+    Completion, Defect, Dispatcher, Journal, QueueConfig, RequestState, RunRequest, Settings, StreamEvent, Submission, SubmitError, Supervisor, SupervisorConfig, Ticket,
+    Transition,
 };
 use headroom_worker::{DeviceKind, Fault, WorkerOptions};
 
@@ -332,5 +333,312 @@ async fn gpu_requests_whose_memory_never_frees_in_time_take_turns_on_the_cpu() {
         assert_eq!(states.iter().filter(|s| **s == RequestState::Queued).count(), 2, "queued for the GPU, then for the CPU: {states:?}");
     }
     d.supervisor().inject_fault(Fault::Clear).await.unwrap();
+    d.supervisor().shutdown().await;
+}
+
+async fn dispatcher_with(config: SupervisorConfig) -> Dispatcher {
+    let supervisor = Supervisor::start(config).await.unwrap();
+    let bundle = ModelBundle::open(model_dir()).unwrap();
+    let memory = MemoryConfig::default();
+    let (planner, _) = headroom_memory::planner_for(&bundle, "cpu", memory.clone());
+    Dispatcher::start(supervisor, Journal::in_memory().unwrap(), planner, memory, QueueConfig::default(), Settings::default(), None).unwrap().0
+}
+
+/// How each request of a run ended: its completion, or the error it ended with (lost).
+struct Ends {
+    completed: Vec<Completion>,
+    lost: Vec<String>,
+    /// Streams that were told they wait in the CPU queue.
+    waiting_notices: usize,
+}
+
+/// Drains a ticket (its tokens and notices) to its end.
+async fn drain(mut ticket: Ticket) -> (Result<Completion, SubmitError>, usize) {
+    let mut notices = 0;
+    while let Some(event) = ticket.next_event().await {
+        if matches!(event, StreamEvent::Waiting(_)) {
+            notices += 1;
+        }
+    }
+    (ticket.finish().await, notices)
+}
+
+async fn ends(tickets: Vec<Ticket>) -> Ends {
+    let tasks: Vec<_> = tickets.into_iter().map(|t| tokio::spawn(drain(t))).collect();
+    let mut e = Ends { completed: Vec::new(), lost: Vec::new(), waiting_notices: 0 };
+    for task in tasks {
+        let (result, notices) = task.await.unwrap();
+        e.waiting_notices += notices;
+        match result {
+            Ok(c) => e.completed.push(c),
+            Err(err) => e.lost.push(err.to_string()),
+        }
+    }
+    e
+}
+
+/// Polls until `ready` holds, for up to `secs`.
+async fn until(secs: u64, what: &str, mut ready: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(secs);
+    while !ready() {
+        assert!(std::time::Instant::now() < deadline, "not within {secs} s: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The sim GPU's 4 slots full and 4 more requests queued behind them (half of all of them
+/// streaming), one CPU slot: then the GPU worker is killed with SIGKILL.
+async fn gpu_killed_at_full_load(defect: Option<Defect>) -> (Dispatcher, Ends) {
+    let mut config = supervisor_config(true);
+    config.gpu.as_mut().unwrap().max_concurrency = 4;
+    let d = dispatcher_with(config).await;
+    if let Some(defect) = defect {
+        d.reintroduce_defect_for_test(defect);
+    }
+    // Slow enough that all eight are still in flight when the worker dies.
+    d.supervisor().inject_fault(Fault::Slowdown { factor: 8.0 }).await.unwrap();
+    let tickets: Vec<Ticket> = (0..8)
+        .map(|i| {
+            let mut sub = submission(&format!("full-{i}"), "And the LORD spake unto Moses", 48, None);
+            sub.stream = i % 2 == 0;
+            d.submit(sub).unwrap()
+        })
+        .collect();
+    let gpu = |d: &Dispatcher| d.queues().into_iter().find(|q| q.device == "gpu").unwrap();
+    until(20, "4 running and 4 queued on the GPU", || {
+        let q = gpu(&d);
+        q.running == 4 && q.waiting == 4
+    })
+    .await;
+    let first_running = d.journal().transitions("full-0").unwrap();
+    assert!(first_running.iter().any(|t| t.state == RequestState::Running), "{first_running:?}");
+    let pid = d.supervisor().gpu_worker().unwrap().pid;
+    assert!(std::process::Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap().success());
+    let e = ends(tickets).await;
+    (d, e)
+}
+
+/// Fault at full load: a GPU worker killed with its slots full and requests queued behind it
+/// loses nothing. The running requests fail over through the CPU queue (one CPU slot: they
+/// take turns there, told they wait), the queued ones follow, every failover is journaled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_worker_killed_at_full_load_loses_no_request() {
+    let (d, e) = gpu_killed_at_full_load(None).await;
+    assert!(e.lost.is_empty(), "lost after acceptance: {:?}", e.lost);
+    assert_eq!(e.completed.len(), 8);
+    assert!(e.completed.iter().all(|c| c.outcome.tokens.len() == 48));
+    let failed_over: Vec<_> = e.completed.iter().filter(|c| !c.outcome.failovers.is_empty()).collect();
+    assert!(failed_over.len() >= 4, "the 4 running requests failed over: {}", failed_over.len());
+    for c in &failed_over {
+        let steps = d.journal().transitions(&c.outcome.request_id).unwrap();
+        let kinds: Vec<&Transition> = steps.iter().map(|t| &t.transition).collect();
+        assert!(kinds.iter().any(|t| matches!(t, Transition::AttemptFailed { .. })), "{kinds:?}");
+        assert!(kinds.iter().any(|t| matches!(t, Transition::Queued { device } if device == "cpu")), "{kinds:?}");
+    }
+    assert!(e.waiting_notices >= 1, "streams waiting for a CPU slot are told so");
+    let cpu = d.queues().into_iter().find(|q| q.device == "cpu").unwrap();
+    assert_eq!((cpu.waiting, cpu.running), (0, 0));
+    assert_eq!(cpu.failover_room, 64 + 4, "the CPU queue keeps a place for every request the GPU lane can hold");
+    d.supervisor().shutdown().await;
+}
+
+/// Negative control: with failover going straight to the (busy) CPU worker, as before, the
+/// same run loses requests, so the test above can fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_failover_that_bypasses_the_cpu_queue_loses_requests() {
+    let (d, e) = gpu_killed_at_full_load(Some(Defect::FailoverBypassesCpuQueue)).await;
+    assert!(!e.lost.is_empty(), "the defect must lose requests");
+    assert!(e.lost.iter().any(|l| l.contains("at most 1 requests at once")), "{:?}", e.lost);
+    d.supervisor().shutdown().await;
+}
+
+/// Admission checks every lane: a request the CPU worker's context could not hold is refused
+/// up front (naming that worker's limit), unless the client opts out of failover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_the_cpu_worker_could_not_hold_is_refused_up_front_unless_it_opts_out() {
+    let mut config = supervisor_config(true);
+    config.cpu.max_context_tokens = Some(40);
+    let d = dispatcher_with(config).await;
+    match d.submit(submission("long", "And God said", 48, None)) {
+        Err(SubmitError::Invalid(m)) => {
+            assert!(m.contains("CPU worker's context limit of 40 tokens") && m.contains("allow_cpu"), "{m}");
+        }
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("accepted a request that could not fail over"),
+    }
+    assert!(matches!(d.journal().get("long"), Err(headroom_router::JournalError::NotFound(_))), "refused before it was accepted");
+    let mut gpu_only = submission("gpu-only", "And God said", 48, None);
+    gpu_only.allow.cpu = false;
+    let c = d.submit(gpu_only).unwrap().finish().await.unwrap();
+    assert_eq!(c.outcome.device, "sim");
+    assert!(!c.cpu_failover, "the response says it ran without failover");
+    assert!(d.submit(submission("short", "And God said", 8, None)).unwrap().finish().await.unwrap().cpu_failover);
+    d.supervisor().shutdown().await;
+    // Without a GPU the CPU worker's limit is the only one, and it is named.
+    let mut cpu_only = supervisor_config(false);
+    cpu_only.cpu.max_context_tokens = Some(40);
+    let d = dispatcher_with(cpu_only).await;
+    let Err(SubmitError::Invalid(m)) = d.submit(submission("long", "And God said", 48, None)) else { panic!("accepted") };
+    assert!(m.contains("CPU worker's context limit of 40 tokens") && m.contains("cpu_max_context_tokens"), "{m}");
+    d.supervisor().shutdown().await;
+}
+
+/// Negative control: without the lane check the same request is accepted, and a GPU failure
+/// sends it to a CPU worker that cannot hold it: lost after acceptance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_without_the_lane_check_a_gpu_failure_loses_the_request() {
+    let mut config = supervisor_config(true);
+    config.cpu.max_context_tokens = Some(40);
+    let d = dispatcher_with(config).await;
+    d.reintroduce_defect_for_test(Defect::NoCpuLaneCheck);
+    d.supervisor().inject_fault(Fault::OomNextAllocation).await.unwrap();
+    let lost = d.submit(submission("long", "And God said", 48, None)).expect("accepted without the check").finish().await;
+    assert!(lost.is_err(), "accepted, failed over to a CPU worker that cannot hold it, and lost");
+    d.supervisor().shutdown().await;
+}
+
+/// A chat request whose tokens the served model made, for a fallback test.
+fn chat_submission(id: &str, served: &ModelBundle, messages: &[headroom_model::ChatMessage], max_tokens: usize) -> Submission {
+    let mut sub = submission(id, "", max_tokens, None);
+    sub.run.request.prompt_tokens = served.chat_prompt(messages, None).unwrap();
+    sub.run.request.source = Some(headroom_model::PromptSource {
+        bundle_hash: served.hash.clone(),
+        input: headroom_model::PromptInput::Chat { messages: messages.to_vec(), tools: None },
+    });
+    sub
+}
+
+/// A GPU failure served by a fallback model whose tokenizer differs from the served model's:
+/// returns the completion and the fallback's own token count for the prompt.
+async fn fail_over_to_another_tokenizer(worker_env: Vec<(String, String)>) -> (Result<Completion, SubmitError>, usize, String) {
+    let fallback_dir = tempfile::tempdir().unwrap();
+    headroom_model::fixture::write_random_folder(fallback_dir.path(), &headroom_model::fixture::tiny_config(), 11, headroom_model::StoreDtype::F32).unwrap();
+    let mut config = supervisor_config(true);
+    config.cpu_fallback_model_dir = Some(fallback_dir.path().to_path_buf());
+    config.worker_env = worker_env;
+    let d = dispatcher_with(config).await;
+    let served = ModelBundle::open(model_dir()).unwrap();
+    let fallback = ModelBundle::open(fallback_dir.path()).unwrap();
+    let messages = vec![headroom_model::ChatMessage { role: "user".into(), content: "And God said".into(), tool_calls: None, tool_call_id: None, name: None }];
+    let own = fallback.chat_prompt(&messages, None).unwrap().len();
+    assert_ne!(own, served.chat_prompt(&messages, None).unwrap().len(), "the two tokenizers differ");
+    d.supervisor().inject_fault(Fault::OomNextAllocation).await.unwrap();
+    let result = d.submit(chat_submission("fallback", &served, &messages, 8)).unwrap().finish().await;
+    d.supervisor().shutdown().await;
+    (result, own, fallback.name())
+}
+
+/// A fallback model is a different model: its worker renders and tokenizes the client's
+/// messages with its own bundle, the failover is a replay, and the response names it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fallback_model_with_another_tokenizer_replays_from_the_messages() {
+    let (result, own, name) = fail_over_to_another_tokenizer(Vec::new()).await;
+    let c = result.expect("served by the fallback model");
+    assert_eq!(c.outcome.device, "cpu");
+    assert_eq!(c.outcome.fallback_model.as_deref(), Some(name.as_str()));
+    assert_eq!(c.outcome.prompt_tokens as usize, own, "the fallback's own tokens for the messages");
+    assert_eq!(c.outcome.failovers[0].resumed_after_tokens, 0, "a replay, never a token-level resume");
+}
+
+/// Negative control: a worker that runs the served model's tokens (as before) does not give
+/// the fallback's own prompt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_a_fallback_fed_the_served_models_tokens_is_caught() {
+    let (result, own, _) = fail_over_to_another_tokenizer(vec![("HEADROOM_TEST_IGNORE_PROMPT_SOURCE".into(), "1".into())]).await;
+    assert!(result.map_or(true, |c| c.outcome.prompt_tokens as usize != own), "the defect must show");
+}
+
+/// A GPU worker compiling kernels (simulated: the device is held 4 s, as NVRTC does on a cold
+/// cache) while requests wait is busy, not hung. Returns whether a health check failed and
+/// where the requests finished.
+async fn compiling_gpu_worker(worker_env: Vec<(String, String)>) -> (bool, Vec<String>) {
+    let mut config = supervisor_config(true);
+    config.supervision.health_timeout_ms = 1000;
+    config.worker_env = worker_env;
+    let d = dispatcher_with(config).await;
+    let mut events = d.supervisor().subscribe();
+    d.supervisor().inject_fault(Fault::Compile { ms: 4000 }).await.unwrap();
+    let tickets: Vec<Ticket> = (0..3).map(|i| d.submit(submission(&format!("busy-{i}"), "And God said", 8, None)).unwrap()).collect();
+    let e = ends(tickets).await;
+    assert!(e.lost.is_empty(), "{:?}", e.lost);
+    let mut health_failed = false;
+    while let Ok(event) = events.try_recv() {
+        health_failed |= matches!(event.kind, headroom_router::EventKind::HealthCheckFailed { .. });
+    }
+    d.supervisor().shutdown().await;
+    (health_failed, e.completed.iter().map(|c| c.outcome.device.clone()).collect())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_worker_busy_compiling_answers_health_and_is_not_killed() {
+    let (health_failed, devices) = compiling_gpu_worker(Vec::new()).await;
+    assert!(!health_failed, "a busy worker is not hung");
+    assert!(devices.iter().all(|d| d == "sim"), "{devices:?}");
+}
+
+/// Negative control: a worker whose health answer reads the device live (as before) misses
+/// its health checks while compiling and is killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_health_that_waits_for_the_device_kills_a_busy_worker() {
+    let (health_failed, _) = compiling_gpu_worker(vec![("HEADROOM_TEST_HEALTH_READS_DEVICE".into(), "1".into())]).await;
+    assert!(health_failed, "the defect must show as a failed health check");
+}
+
+/// A worker that answers health checks but makes no progress with requests running is hung.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_makes_no_progress_is_hung_and_its_requests_fail_over() {
+    let mut config = supervisor_config(true);
+    config.supervision.stall_timeout_ms = 1000;
+    let d = dispatcher_with(config).await;
+    let mut events = d.supervisor().subscribe();
+    d.supervisor().inject_fault(Fault::Compile { ms: 8000 }).await.unwrap();
+    let c = d.submit(submission("stalled", "And God said", 8, None)).unwrap().finish().await.unwrap();
+    assert_eq!(c.outcome.device, "cpu");
+    let mut reason = None;
+    while let Ok(event) = events.try_recv() {
+        if let headroom_router::EventKind::HealthCheckFailed { reason: r, .. } = event.kind {
+            reason = Some(r);
+        }
+    }
+    assert!(reason.as_deref().unwrap_or("").contains("produced nothing"), "{reason:?}");
+    d.supervisor().shutdown().await;
+}
+
+/// Runs a request while the journal starts refusing writes: returns how the client saw it end
+/// and the journal's own state for it.
+async fn journal_breaks_mid_request(defect: Option<Defect>) -> (Dispatcher, Result<Completion, SubmitError>, RequestState) {
+    let d = dispatcher(false, Journal::in_memory().unwrap(), QueueConfig::default()).await;
+    if let Some(defect) = defect {
+        d.reintroduce_defect_for_test(defect);
+    }
+    let mut ticket = d.submit(submission("j", "And God said", 40, None)).unwrap();
+    ticket.next_token().await.unwrap();
+    d.journal().refuse_writes_for_test();
+    let result = ticket.finish().await;
+    let state = d.journal().get("j").unwrap().state;
+    (d, result, state)
+}
+
+/// The journal never fails silently: a write that fails fails its request loudly, and the
+/// dispatcher reports why (what /readyz says).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_journal_write_that_fails_fails_its_request_loudly() {
+    let (d, result, state) = journal_breaks_mid_request(None).await;
+    match result {
+        Err(SubmitError::Failed { reason, resumable: true }) => assert!(reason.contains("journal"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    assert_ne!(state, RequestState::Completed);
+    assert!(d.journal_fault().unwrap().contains("journal"));
+    d.supervisor().shutdown().await;
+}
+
+/// Negative control: with write errors dropped (as before) the client is told it completed
+/// while the journal never recorded it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_dropped_journal_errors_complete_unrecorded() {
+    let (d, result, state) = journal_breaks_mid_request(Some(Defect::IgnoreJournalErrors)).await;
+    assert!(result.is_ok() && state != RequestState::Completed, "the defect must show: {state:?}");
+    assert!(d.journal_fault().is_none());
     d.supervisor().shutdown().await;
 }

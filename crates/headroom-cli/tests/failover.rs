@@ -288,7 +288,7 @@ async fn competing_workload_makes_the_sim_gpu_refuse_and_the_request_fail_over()
     config.gpu.as_mut().unwrap().sim_vram_mib = capacity_mib;
     let supervisor = Supervisor::start(config).await.unwrap();
     supervisor.inject_fault(Fault::Compete { mib: competitor_mib }).await.unwrap();
-    let memory = supervisor.gpu_worker().unwrap().health(Duration::from_secs(2)).await.unwrap();
+    let memory = supervisor.gpu_worker().unwrap().health(Duration::from_secs(2)).await.unwrap().memory;
     assert_eq!(memory.competing_bytes, competitor_mib * MIB);
     assert!(memory.simulated);
     let refused = supervisor.run(long.clone(), Target::Auto, |_| {}).await.unwrap();

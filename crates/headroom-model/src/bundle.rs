@@ -178,6 +178,28 @@ impl ModelBundle {
     /// The prompt tokens of a conversation rendered through the chat template, with the
     /// assistant's turn opened. A template that writes the BOS token itself is not given a
     /// second one by the tokenizer.
+    /// This bundle's prompt tokens for a client's prompt.
+    pub fn tokenize(&self, input: &crate::generate::PromptInput) -> Result<Vec<u32>> {
+        match input {
+            crate::generate::PromptInput::Chat { messages, tools } => self.chat_prompt(messages, tools.as_ref()),
+            crate::generate::PromptInput::Text { text } => self.encode(text, true),
+        }
+    }
+
+    /// The request as this bundle runs it: prompt tokens made by another bundle's tokenizer are
+    /// made again from the prompt they came from (a checkpoint of another bundle's tokens
+    /// cannot be resumed here, so it is dropped: a replay).
+    pub fn own_request(&self, request: &crate::GenerateRequest) -> Result<Option<crate::GenerateRequest>> {
+        let Some(source) = request.source.as_ref().filter(|s| s.bundle_hash != self.hash) else {
+            return Ok(None);
+        };
+        let mut own = request.clone();
+        own.prompt_tokens = self.tokenize(&source.input)?;
+        own.resume = None;
+        own.source = Some(crate::generate::PromptSource { bundle_hash: self.hash.clone(), input: source.input.clone() });
+        Ok(Some(own))
+    }
+
     pub fn chat_prompt(&self, messages: &[crate::ChatMessage], tools: Option<&serde_json::Value>) -> Result<Vec<u32>> {
         let template = self.template.as_ref().ok_or_else(|| {
             Error::Template(format!("{} has no chat_template in tokenizer_config.json; use a plain completion instead", self.name()))

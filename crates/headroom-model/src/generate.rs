@@ -56,6 +56,27 @@ pub struct GenerateRequest {
     /// Generate exactly max_tokens even past EOS (benchmarks and tests, like vLLM's `ignore_eos`).
     #[serde(default)]
     pub ignore_eos: bool,
+    /// What the prompt tokens were made from, and by which bundle's tokenizer: a worker holding
+    /// another model (a fallback) makes its own tokens from it.
+    #[serde(default)]
+    pub source: Option<PromptSource>,
+}
+
+/// The client's prompt before tokenization, and the bundle whose tokenizer (and chat template)
+/// turned it into `prompt_tokens`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PromptSource {
+    pub bundle_hash: String,
+    pub input: PromptInput,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum PromptInput {
+    /// Messages (and tools), rendered through the bundle's chat template.
+    Chat { messages: Vec<crate::ChatMessage>, tools: Option<serde_json::Value> },
+    /// A plain completion prompt.
+    Text { text: String },
 }
 
 pub fn default_prefill_chunk() -> usize {
@@ -72,6 +93,7 @@ impl GenerateRequest {
             prefill_chunk: default_prefill_chunk(),
             resume: None,
             ignore_eos: false,
+            source: None,
         }
     }
 }

@@ -22,8 +22,8 @@ pub mod train;
 pub use bundle::{ModelBundle, DEFAULT_MODEL_DIR};
 pub use config::LlamaConfig;
 pub use generate::{
-    generate, CancelToken, Checkpoint, FinishReason, GenerateRequest, Generation, Session,
-    StreamEvent,
+    generate, CancelToken, Checkpoint, FinishReason, GenerateRequest, Generation, PromptInput,
+    PromptSource, Session, StreamEvent,
 };
 pub use model::{KvCache, Llama, RopeTables};
 pub use sampler::{Sampler, SamplerState, SamplingParams};

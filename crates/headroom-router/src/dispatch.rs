@@ -16,7 +16,7 @@ use crate::events::EventKind;
 use crate::metrics::{FailoverLabels, Metrics, OutcomeLabels};
 use crate::journal::{Accepted, Journal, JournalError, NewRequest, Recovery, RequestState, Transition};
 use crate::settings::{Settings, SettingsFile, RESTART_SETTINGS};
-use crate::supervisor::{CancelSignal, RunOutcome, RunRequest, StreamedToken, Supervisor, Target};
+use crate::supervisor::{AttemptError, CancelSignal, Progress, RunOutcome, RunRequest, StreamedToken, Supervisor, Target};
 use crate::Error;
 
 /// Queue limits: the `[queues]` table of the config file.
@@ -81,6 +81,14 @@ pub struct Completion {
     /// Served from the journal for a repeated idempotency key: nothing ran again.
     #[serde(default)]
     pub from_journal: bool,
+    /// Whether the request would have continued on the CPU worker had the GPU failed (false:
+    /// the client opted out with allow_cpu: false).
+    #[serde(default = "yes")]
+    pub cpu_failover: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// How a request ended without a result.
@@ -92,6 +100,25 @@ enum Ended {
 
 type Finished = Option<Result<Completion, Ended>>;
 
+/// What a request's stream carries: its tokens, and notices while it waits for a device.
+#[derive(Debug, Clone)]
+pub enum StreamEvent {
+    Token(StreamedToken),
+    /// The request left its device and waits in another queue (a failover waiting for a CPU
+    /// slot); the client is told why and for about how long.
+    Waiting(WaitNotice),
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WaitNotice {
+    /// The queue it waits in now.
+    pub queue: String,
+    pub reason: String,
+    /// Requests ahead of it there.
+    pub ahead: usize,
+    pub estimated_delay_ms: Option<u64>,
+}
+
 /// A submitted request: its tokens as they come, and its end. Dropping the ticket of a request
 /// that has not finished cancels it (the client went away).
 pub struct Ticket {
@@ -100,14 +127,25 @@ pub struct Ticket {
     pub device_queue: String,
     /// Why admission chose that queue.
     pub admission: String,
-    tokens: mpsc::UnboundedReceiver<StreamedToken>,
+    events: mpsc::UnboundedReceiver<StreamEvent>,
     done: watch::Receiver<Finished>,
     cancel: Option<CancelSignal>,
 }
 
 impl Ticket {
+    /// The next token (notices skipped); None once the request has ended.
     pub async fn next_token(&mut self) -> Option<StreamedToken> {
-        self.tokens.recv().await
+        loop {
+            match self.events.recv().await? {
+                StreamEvent::Token(t) => return Some(t),
+                StreamEvent::Waiting(_) => {}
+            }
+        }
+    }
+
+    /// The next token or notice; None once the request has ended.
+    pub async fn next_event(&mut self) -> Option<StreamEvent> {
+        self.events.recv().await
     }
 
     /// Waits for the end of the request.
@@ -151,13 +189,19 @@ fn ewma(current: Option<f64>, sample: f64) -> Option<f64> {
     })
 }
 
-/// One device's queue: a bounded number waiting, the worker's concurrency running.
+/// One device's queue: a bounded number waiting, the worker's concurrency running. The slots
+/// are taken first come, first served (tokio's semaphore is fair), whether a request was
+/// admitted here or failed over from the GPU.
 struct Lane {
     device: &'static str,
     slots: Semaphore,
     waiting: AtomicUsize,
     running: AtomicUsize,
+    /// Requests admitted here may join while fewer than this wait.
     capacity: usize,
+    /// Places kept beyond `capacity` for requests failing over from the GPU: as many as the GPU
+    /// lane can hold (queued and running), so a GPU failure never finds this queue full.
+    failover_room: usize,
     /// Slots of `slots`; settings may change it (see [`Lane::resize`]).
     concurrency: AtomicUsize,
     rates: Mutex<Rates>,
@@ -174,13 +218,14 @@ struct WorkAhead {
 }
 
 impl Lane {
-    fn new(device: &'static str, capacity: usize, concurrency: usize) -> Self {
+    fn new(device: &'static str, capacity: usize, failover_room: usize, concurrency: usize) -> Self {
         Self {
             device,
             slots: Semaphore::new(concurrency.max(1)),
             waiting: AtomicUsize::new(0),
             running: AtomicUsize::new(0),
             capacity,
+            failover_room,
             concurrency: AtomicUsize::new(concurrency.max(1)),
             rates: Mutex::new(Rates::default()),
             work_ahead: Mutex::new(WorkAhead::default()),
@@ -225,6 +270,12 @@ impl Lane {
         self.waiting_since.lock().unwrap().insert(id.to_string(), Instant::now());
     }
 
+    /// No longer waiting: it took a slot, or ended in the queue.
+    fn forget(&self, id: &str) {
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+        self.waiting_since.lock().unwrap().remove(id);
+    }
+
     fn leave(&self, prompt_tokens: u64, max_tokens: u64) {
         let mut ahead = self.work_ahead.lock().unwrap();
         ahead.prompt_tokens -= prompt_tokens;
@@ -260,6 +311,7 @@ impl Lane {
             waiting: self.waiting.load(Ordering::Relaxed),
             running: self.running.load(Ordering::Relaxed),
             capacity: self.capacity,
+            failover_room: self.failover_room,
             concurrency: self.concurrency.load(Ordering::Relaxed),
             oldest_wait_ms: self.oldest_wait_ms(),
             estimated_delay_ms: self.estimated_delay_ms(),
@@ -275,7 +327,10 @@ pub struct QueueStatus {
     pub device: String,
     pub waiting: usize,
     pub running: usize,
+    /// How many admitted requests may wait here.
     pub capacity: usize,
+    /// Places beyond `capacity` kept for requests failing over from the GPU.
+    pub failover_room: usize,
     pub concurrency: usize,
     /// How long the oldest waiting request has waited.
     pub oldest_wait_ms: u64,
@@ -307,6 +362,24 @@ struct Inner {
     gpu_grant: Mutex<()>,
     in_flight: Mutex<HashMap<String, InFlight>>,
     metrics: Metrics,
+    /// Why the last journal write failed, until one succeeds again.
+    journal_fault: Mutex<Option<String>>,
+    /// Test-only: defects switched back on, for the negative controls of the tests that
+    /// guard against them.
+    defects: Mutex<Vec<Defect>>,
+}
+
+/// A fixed defect that a test switches back on, to show that its check catches it.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Defect {
+    /// A request failing over from the GPU goes straight to the CPU worker, busy or not,
+    /// instead of waiting in the CPU queue.
+    FailoverBypassesCpuQueue,
+    /// Admission does not check the CPU worker's context limit.
+    NoCpuLaneCheck,
+    /// Journal write errors are dropped.
+    IgnoreJournalErrors,
 }
 
 /// A request that has been launched and has not ended.
@@ -384,13 +457,16 @@ impl Dispatcher {
         let config = supervisor.config();
         let gpu_concurrency = config.gpu.as_ref().map(|g| g.max_concurrency as usize).unwrap_or(0);
         let cpu_concurrency = config.cpu.max_concurrency as usize;
+        // Every request the GPU lane holds, queued or running, must fit in the CPU queue if the
+        // GPU fails.
+        let gpu_room = if config.gpu.is_some() { queues.gpu_queue_capacity + gpu_concurrency } else { 0 };
         let host_total = headroom_memory::observe::host_memory().map(|h| h.total_bytes).unwrap_or(0);
         let inner = Arc::new(Inner {
             supervisor,
             journal,
             planner,
-            gpu: Lane::new("gpu", queues.gpu_queue_capacity, gpu_concurrency),
-            cpu: Arc::new(Lane::new("cpu", queues.cpu_queue_capacity, cpu_concurrency)),
+            gpu: Lane::new("gpu", queues.gpu_queue_capacity, 0, gpu_concurrency),
+            cpu: Arc::new(Lane::new("cpu", queues.cpu_queue_capacity, gpu_room, cpu_concurrency)),
             settings: Mutex::new(settings),
             settings_file,
             updating_settings: tokio::sync::Mutex::new(()),
@@ -400,6 +476,8 @@ impl Dispatcher {
             memory,
             in_flight: Mutex::new(HashMap::new()),
             metrics: Metrics::new(),
+            journal_fault: Mutex::new(None),
+            defects: Mutex::new(Vec::new()),
         });
         let dispatcher = Self { inner };
         let recovered = dispatcher.inner.journal.recover()?;
@@ -448,6 +526,16 @@ impl Dispatcher {
             .filter(|l| l.device == "cpu" || self.inner.supervisor.config().gpu.is_some())
             .map(Lane::status)
             .collect()
+    }
+
+    /// Test-only: switches a fixed defect back on (see [`Defect`]).
+    #[doc(hidden)]
+    pub fn reintroduce_defect_for_test(&self, defect: Defect) {
+        self.inner.defects.lock().unwrap().push(defect);
+    }
+
+    fn has_defect(&self, defect: Defect) -> bool {
+        self.inner.defects.lock().unwrap().contains(&defect)
     }
 
     /// The file settings are saved to, if any.
@@ -594,6 +682,7 @@ impl Dispatcher {
     /// Accepts a request: journals it, admits it to a queue and starts it. Returns once it is
     /// durably accepted (or refused); the ticket then streams its tokens and its end.
     pub fn submit(&self, sub: Submission) -> Result<Ticket, SubmitError> {
+        self.check_lanes(&sub)?;
         let body = serde_json::to_value(StoredBody { run: sub.run.clone(), allow: sub.allow })
             .map_err(|e| SubmitError::Invalid(e.to_string()))?;
         let accepted = self
@@ -614,7 +703,7 @@ impl Dispatcher {
         match accepted {
             Accepted::New => self.launch(sub, 1),
             Accepted::Existing(record) => {
-                let (_tx, tokens) = mpsc::unbounded_channel();
+                let (_tx, events) = mpsc::unbounded_channel();
                 let running = self.inner.in_flight.lock().unwrap().get(&record.request.id).map(|f| f.done.clone());
                 if let Some(done) = running {
                     // Attach to the running request: its end, not its token stream (that belongs to
@@ -623,7 +712,7 @@ impl Dispatcher {
                         request_id: record.request.id,
                         device_queue: "attached".into(),
                         admission: "attached to the running request with this Idempotency-Key".into(),
-                        tokens,
+                        events,
                         done,
                         cancel: None,
                     });
@@ -649,12 +738,46 @@ impl Dispatcher {
                     request_id: record.request.id,
                     device_queue: "journal".into(),
                     admission: "the stored end of the request with this Idempotency-Key".into(),
-                    tokens,
+                    events,
                     done,
                     cancel: None,
                 })
             }
         }
+    }
+
+    /// Refuses up front a request that could not finish on every lane it may land on: a
+    /// request that may run on the CPU worker (sent there, or failing over there when the GPU
+    /// fails) must fit that worker's context limit, its own setting or its fallback model's.
+    fn check_lanes(&self, sub: &Submission) -> Result<(), SubmitError> {
+        let s = &self.inner.supervisor;
+        let request = &sub.run.request;
+        let needed = request.prompt_tokens.len() + request.max_tokens;
+        let gpu = s.config().gpu.is_some();
+        if (gpu && !sub.allow.cpu) || self.has_defect(Defect::NoCpuLaneCheck) {
+            return Ok(()); // the client opted out of the CPU: GPU only, no failover
+        }
+        let setup = s.cpu_setup();
+        let worker = s.cpu_worker();
+        let Some(context) = worker.as_ref().map(|w| w.ready.context_tokens as usize).or(setup.options.max_context_tokens.map(|c| c as usize)) else {
+            return Ok(());
+        };
+        if needed <= context {
+            return Ok(());
+        }
+        let limit = match (&setup.fallback_model_dir, &worker) {
+            (Some(_), Some(w)) => format!("the CPU worker's context limit of {context} tokens (its fallback model {}, and the setting cpu_max_context_tokens)", w.ready.model_name),
+            _ => format!("the CPU worker's context limit of {context} tokens (the setting cpu_max_context_tokens)"),
+        };
+        let prompt = request.prompt_tokens.len();
+        let max_tokens = request.max_tokens;
+        Err(SubmitError::Invalid(if gpu {
+            format!(
+                "the prompt ({prompt} tokens) plus max_tokens ({max_tokens}) needs {needed} tokens, more than {limit}, where this request would continue if the GPU failed; lower max_tokens or shorten the prompt, or send \"headroom\": {{\"allow_cpu\": false}} to run it on the GPU only, without failover"
+            )
+        } else {
+            format!("the prompt ({prompt} tokens) plus max_tokens ({max_tokens}) needs {needed} tokens, more than {limit}; lower max_tokens or shorten the prompt, or raise cpu_max_context_tokens in Settings")
+        }))
     }
 
     /// The GPU budget admission uses now (None without a healthy GPU): total, the reserve kept
@@ -712,7 +835,6 @@ impl Dispatcher {
     /// Decides where the request goes and starts it there (attempt `attempt`).
     fn launch(&self, mut sub: Submission, attempt: u32) -> Result<Ticket, SubmitError> {
         let id = sub.run.request_id.clone();
-        let journal = &self.inner.journal;
         let shape = RequestShape {
             prompt_tokens: sub.run.request.prompt_tokens.len() as u64,
             max_tokens: sub.run.request.max_tokens as u64,
@@ -742,7 +864,7 @@ impl Dispatcher {
         drop(grant_guard);
         let refuse = |reason: String, retry_after_s: Option<u64>, estimated_delay_ms: Option<u64>| -> SubmitError {
             self.count_end("none", "refused");
-            if let Err(e) = journal.record(&id, &Transition::Refused { reason: reason.clone() }) {
+            if let Err(e) = self.journal_step(&id, &Transition::Refused { reason: reason.clone() }) {
                 return SubmitError::Journal(e);
             }
             SubmitError::Capacity { reason, retry_after_s, estimated_delay_ms }
@@ -778,9 +900,14 @@ impl Dispatcher {
             Ok(r) => r,
             Err(LaneRefusal { reason, retry_after_s, estimated_delay_ms }) => return Err(refuse(reason, Some(retry_after_s), estimated_delay_ms)),
         };
-        journal.record(&id, &Transition::Queued { device: lane.device.into() })?;
+        if let Err(e) = self.journal_step(&id, &Transition::Queued { device: lane.device.into() }) {
+            lane.forget(&id);
+            lane.leave(shape.prompt_tokens, shape.max_tokens);
+            self.queue_changed(lane);
+            return Err(SubmitError::Journal(e));
+        }
 
-        let (token_tx, tokens) = mpsc::unbounded_channel();
+        let (event_tx, events) = mpsc::unbounded_channel();
         let (done_tx, done) = watch::channel(None);
         let cancel = CancelSignal::new();
         self.inner.in_flight.lock().unwrap().insert(id.clone(), InFlight { done: done.clone(), cancel: cancel.clone() });
@@ -789,13 +916,13 @@ impl Dispatcher {
         let ticket_id = id.clone();
         let reason = admission.reason().to_string();
         let ticket_admission = reason.clone();
+        let start = Start { attempt, on_gpu, gpu_grant, host_reservation, admission: reason };
         tokio::spawn(async move {
-            let result = this.execute(sub, attempt, on_gpu, gpu_grant, task_cancel, token_tx, reason).await;
-            drop(host_reservation);
+            let result = this.execute(sub, start, task_cancel, event_tx).await;
             this.inner.in_flight.lock().unwrap().remove(&id);
             done_tx.send_replace(Some(result));
         });
-        Ok(Ticket { request_id: ticket_id, device_queue: lane.device.into(), admission: ticket_admission, tokens, done, cancel: Some(cancel) })
+        Ok(Ticket { request_id: ticket_id, device_queue: lane.device.into(), admission: ticket_admission, events, done, cancel: Some(cancel) })
     }
 
     /// Puts a request in `lane`'s bounded queue: a full queue is a refusal now, never unbounded
@@ -832,29 +959,38 @@ impl Dispatcher {
         Ok(host_reservation)
     }
 
-    /// A GPU-queued request whose memory never came joins the CPU queue like a CPU admission:
-    /// a CPU slot and a host-RAM reservation, or a capacity failure the client may retry.
-    async fn move_to_cpu(&self, sub: Submission, attempt: u32, cancel: CancelSignal, tokens: mpsc::UnboundedSender<StreamedToken>, why: String) -> Result<Completion, Ended> {
-        let inner = &self.inner;
-        let id = sub.run.request_id.clone();
-        let shape = RequestShape {
-            prompt_tokens: sub.run.request.prompt_tokens.len() as u64,
-            max_tokens: sub.run.request.max_tokens as u64,
-            prefill_chunk: sub.run.request.prefill_chunk as u64,
-        };
-        let fail = |reason: String| {
-            let _ = inner.journal.record(&id, &Transition::Failed { kind: "capacity".into(), detail: reason.clone(), resumable: true });
-            self.count_end("cpu", "failed");
-            Err(Ended::Failed { reason, resumable: true })
-        };
-        let host = match self.enter_lane(&inner.cpu, &id, shape) {
-            Ok(r) => r,
-            Err(refusal) => return fail(format!("{why}, and {}", refusal.reason)),
-        };
-        let _ = inner.journal.record(&id, &Transition::Queued { device: inner.cpu.device.into() });
-        let result = Box::pin(self.execute(sub, attempt, false, None, cancel, tokens, why)).await;
-        drop(host);
-        result
+    /// A request that leaves the GPU (its device failed, or its memory never came) joins the CPU
+    /// queue behind the requests already there, in the place kept for it (`failover_room`), so
+    /// it is never refused for a full queue and never meets a busy CPU worker. It is told why
+    /// it waits and for about how long, and it holds host RAM for its footprint from here on
+    /// (waiting for it if the host is short, cancellable).
+    async fn join_cpu_after_gpu(&self, id: &str, shape: RequestShape, cancel: &CancelSignal, events: &mpsc::UnboundedSender<StreamEvent>, why: &str) -> Result<Reservation, Ended> {
+        let lane = &*self.inner.cpu;
+        let ahead = lane.waiting.fetch_add(1, Ordering::SeqCst) + lane.running.load(Ordering::SeqCst);
+        if lane.waiting.load(Ordering::SeqCst) > lane.capacity + lane.failover_room {
+            tracing::error!(request_id = id, "the CPU queue holds more than its capacity and failover room; the GPU lane outgrew its bound");
+        }
+        lane.join(id, shape.prompt_tokens, shape.max_tokens);
+        self.queue_changed(lane);
+        let _ = events.send(StreamEvent::Waiting(WaitNotice { queue: lane.device.into(), reason: why.to_string(), ahead, estimated_delay_ms: lane.estimated_delay_ms() }));
+        if let Err(e) = self.journal_step(id, &Transition::Queued { device: lane.device.into() }) {
+            lane.forget(id);
+            return Err(self.end_in_queue(lane, id, shape.prompt_tokens, shape.max_tokens, journal_failure(&e)));
+        }
+        let bytes = self.inner.planner.footprint(shape).request_bytes();
+        loop {
+            match self.inner.host_ledger.try_reserve(id, bytes) {
+                Ok(r) => return Ok(r),
+                Err(e) => tracing::warn!(request_id = id, error = %e, "failover waits for host RAM"),
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                _ = cancel.cancelled() => {
+                    lane.forget(id);
+                    return Err(self.end_in_queue(lane, id, shape.prompt_tokens, shape.max_tokens, Ended::Cancelled));
+                }
+            }
+        }
     }
 
     /// Ends a request that never left `lane`'s queue: frees its place, journals why (a queued
@@ -865,152 +1001,296 @@ impl Dispatcher {
             Ended::Cancelled => (Transition::Cancelled { reason: "cancelled while queued".into() }, "cancelled"),
             Ended::Failed { reason, resumable } => (Transition::Failed { kind: "capacity".into(), detail: reason.clone(), resumable: *resumable }, "failed"),
         };
-        let _ = self.inner.journal.record(id, &transition);
+        let _ = self.journal_step(id, &transition);
         self.count_end(lane.device, outcome);
         self.queue_changed(lane);
         ended
     }
 
-    async fn execute(
-        &self,
-        sub: Submission,
-        attempt: u32,
-        on_gpu: bool,
-        mut gpu_grant: Option<Reservation>,
-        cancel: CancelSignal,
-        tokens: mpsc::UnboundedSender<StreamedToken>,
-        admission: String,
-    ) -> Result<Completion, Ended> {
-        let inner = &self.inner;
-        let id = sub.run.request_id.clone();
-        let lane = if on_gpu { &inner.gpu } else { &*inner.cpu };
-        let max_tokens = sub.run.request.max_tokens as u64;
-        let prompt_tokens = sub.run.request.prompt_tokens.len() as u64;
-        let queued_at = Instant::now();
-        let permit = tokio::select! {
-            p = lane.slots.acquire() => p.ok(),
-            _ = cancel.cancelled() => None,
-        };
-        lane.waiting.fetch_sub(1, Ordering::SeqCst);
-        lane.waiting_since.lock().unwrap().remove(&id);
-        let Some(_permit) = permit else {
-            return Err(self.end_in_queue(lane, &id, prompt_tokens, max_tokens, Ended::Cancelled));
-        };
-        // A request queued for the GPU starts only when its memory is there: a free slot is not
-        // free memory. If it does not come within the queue wait, the request moves to the CPU
-        // queue.
-        if on_gpu && gpu_grant.is_none() {
-            let needs = inner.planner.footprint(RequestShape { prompt_tokens, max_tokens, prefill_chunk: sub.run.request.prefill_chunk as u64 }).request_bytes();
-            let max_wait = Duration::from_millis(sub.allow.max_wait_ms.unwrap_or(inner.memory.max_queue_wait_ms));
-            loop {
-                if self.gpu_budget().is_none() {
-                    break; // no healthy GPU: the supervisor routes it to the CPU
-                }
-                if let Some(r) = self.try_grant_gpu(&id, needs) {
-                    gpu_grant = Some(r);
-                    break;
-                }
-                if queued_at.elapsed() >= max_wait {
-                    let cpu_allowed = sub.allow.cpu && inner.memory.allow_cpu_redirect;
-                    if !cpu_allowed {
-                        let reason = format!("GPU memory for this request did not free within {} ms, and CPU fallback is not allowed", max_wait.as_millis());
-                        return Err(self.end_in_queue(lane, &id, prompt_tokens, max_tokens, Ended::Failed { reason, resumable: true }));
-                    }
-                    let why = format!("waited {} ms for GPU memory that did not free", queued_at.elapsed().as_millis());
-                    drop(_permit);
-                    lane.leave(prompt_tokens, max_tokens);
-                    self.queue_changed(lane);
-                    return self.move_to_cpu(sub, attempt, cancel, tokens, why).await;
-                }
-                tokio::select! {
-                    _ = tokio::time::sleep(Duration::from_millis(20)) => {}
-                    _ = cancel.cancelled() => {
-                        return Err(self.end_in_queue(lane, &id, prompt_tokens, max_tokens, Ended::Cancelled));
-                    }
-                }
+    /// Appends a step to a request's journal. A write that fails is never dropped: it is
+    /// logged, `/readyz` reports it until a later write succeeds, and the caller fails the
+    /// request (or, for a request already ending, ends it all the same).
+    fn journal_step(&self, id: &str, transition: &Transition) -> Result<(), JournalError> {
+        let written = self.inner.journal.record(id, transition).map(|_| ());
+        self.journal_written(id, written)
+    }
+
+    fn journal_written(&self, id: &str, written: Result<(), JournalError>) -> Result<(), JournalError> {
+        if self.has_defect(Defect::IgnoreJournalErrors) {
+            return Ok(());
+        }
+        let mut fault = self.inner.journal_fault.lock().unwrap();
+        match &written {
+            Ok(()) => *fault = None,
+            Err(e) => {
+                tracing::error!(request_id = id, error = %e, "journal write failed");
+                *fault = Some(format!("the request journal cannot be written ({e}); accepted requests are failed rather than run unrecorded: check the disk holding the data dir"));
             }
         }
-        let queued_ms = queued_at.elapsed().as_secs_f64() * 1000.0;
-        lane.running.fetch_add(1, Ordering::SeqCst);
-        self.queue_changed(lane);
-        let device = if on_gpu { inner.supervisor.config().gpu.as_ref().map(|g| g.device.label()).unwrap_or_default() } else { "cpu".into() };
-        let _ = inner.journal.record(&id, &Transition::Running { device, attempt });
-        let started = Instant::now();
-        let mut first = true;
-        let stream = sub.stream;
-        let journal = &inner.journal;
-        let result = inner
-            .supervisor
-            .run_cancellable(sub.run, if on_gpu { Target::Auto } else { Target::Cpu }, &cancel, |t| {
-                if stream && first {
-                    // From here on a replay from the start would show the client text twice.
-                    let _ = journal.record_delivered(&id, 1);
-                    first = false;
-                }
-                let _ = tokens.send(t.clone());
-            })
-            .await;
-        drop(gpu_grant);
-        lane.running.fetch_sub(1, Ordering::SeqCst);
-        lane.leave(prompt_tokens, max_tokens);
-        self.queue_changed(lane);
-        let metrics = &inner.metrics;
-        match result {
-            Ok(mut outcome) => {
-                if !on_gpu && inner.supervisor.config().gpu.is_some() && !outcome.degraded {
-                    // Admission (or a wait for GPU memory) sent it to the CPU: slower than the
-                    // client would expect, so say so.
-                    outcome.degraded = true;
-                    outcome.degraded_reason = Some(format!("served by the CPU worker: {admission}"));
-                }
-                let finishing_lane = if outcome.device == "cpu" { &*inner.cpu } else { &inner.gpu };
-                if outcome.failovers.is_empty() {
-                    let total_ms = started.elapsed().as_secs_f64() * 1000.0;
-                    finishing_lane.observe(outcome.prompt_tokens, outcome.prefill_ms, outcome.completion_tokens, (total_ms - outcome.prefill_ms).max(0.0));
-                }
-                metrics.requests.get_or_create(&OutcomeLabels { device: outcome.device.clone(), outcome: "completed".into() }).inc();
-                metrics.generated_tokens.get_or_create(&crate::metrics::device(&outcome.device)).inc_by(outcome.completion_tokens as u64);
-                for f in &outcome.failovers {
-                    metrics.failovers.get_or_create(&FailoverLabels { from: f.from.clone(), to: f.to.clone() }).inc();
-                    if f.resumed_after_tokens > 0 { metrics.resumes.inc() } else { metrics.replays.inc() };
-                }
-                for (i, f) in outcome.failovers.iter().enumerate() {
-                    let _ = journal.record(&id, &Transition::AttemptFailed { device: f.from.clone(), kind: "failover".into(), detail: f.reason.clone() });
-                    let next = attempt + 1 + i as u32;
-                    let t = if f.resumed_after_tokens > 0 {
-                        Transition::Resumed { to: f.to.clone(), attempt: next, after_tokens: f.resumed_after_tokens }
-                    } else {
-                        Transition::Replayed { to: f.to.clone(), attempt: next }
-                    };
-                    let _ = journal.record(&id, &t);
-                }
-                if stream {
-                    let _ = journal.record_delivered(&id, outcome.tokens.len() as u32);
-                }
-                let completion = Completion { outcome, admission, queued_ms, from_journal: false };
-                let stored = serde_json::to_value(&completion).unwrap_or_default();
-                let _ = journal.record(&id, &Transition::Completed { device: completion.outcome.device.clone(), result: stored });
-                Ok(completion)
-            }
-            Err(Error::Cancelled) => {
-                let _ = journal.record(&id, &Transition::Cancelled { reason: "cancelled while running".into() });
-                self.count_end(lane.device, "cancelled");
-                Err(Ended::Cancelled)
-            }
-            Err(e) => {
-                let resumable = matches!(e, Error::Interrupted { .. } | Error::Worker(_) | Error::Unavailable(_));
-                let kind = match &e {
-                    Error::Interrupted { .. } => "interrupted",
-                    Error::Invalid(_) => "invalid",
-                    _ => "worker",
+        written
+    }
+
+    /// Journals a tool call before it is delivered (a failed write is reported like any other).
+    pub fn record_tool_call(&self, id: &str, call_id: &str, name: &str, arguments: &str) -> Result<(), JournalError> {
+        let written = self.inner.journal.record_tool_call(id, call_id, name, arguments).map(|_| ());
+        self.journal_written(id, written)
+    }
+
+    /// Why the journal refuses writes now, if it does (for `/readyz`).
+    pub fn journal_fault(&self) -> Option<String> {
+        self.inner.journal_fault.lock().unwrap().clone()
+    }
+
+    /// Waits (in the GPU lane, holding a GPU slot) until the request's GPU memory is granted.
+    async fn wait_for_gpu_memory(&self, sub: &Submission, queued_at: Instant, cancel: &CancelSignal) -> GpuWait {
+        let inner = &self.inner;
+        let request = &sub.run.request;
+        let needs = inner
+            .planner
+            .footprint(RequestShape { prompt_tokens: request.prompt_tokens.len() as u64, max_tokens: request.max_tokens as u64, prefill_chunk: request.prefill_chunk as u64 })
+            .request_bytes();
+        let max_wait = Duration::from_millis(sub.allow.max_wait_ms.unwrap_or(inner.memory.max_queue_wait_ms));
+        loop {
+            if self.gpu_budget().is_none() {
+                return match self.gpu_unavailable() {
+                    Some(why) => GpuWait::Leave { why, cpu_allowed: sub.allow.cpu },
+                    // A healthy GPU without a memory reading yet: run without a grant.
+                    None => GpuWait::Run(None),
                 };
-                let detail = e.to_string();
-                let _ = journal.record(&id, &Transition::Failed { kind: kind.into(), detail: detail.clone(), resumable });
-                self.count_end(lane.device, "failed");
-                Err(Ended::Failed { reason: detail, resumable })
+            }
+            if let Some(r) = self.try_grant_gpu(&sub.run.request_id, needs) {
+                return GpuWait::Run(Some(r));
+            }
+            if queued_at.elapsed() >= max_wait {
+                return GpuWait::Leave {
+                    why: format!("waited {} ms for GPU memory that did not free", queued_at.elapsed().as_millis()),
+                    cpu_allowed: sub.allow.cpu && inner.memory.allow_cpu_redirect,
+                };
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+                _ = cancel.cancelled() => return GpuWait::Cancelled,
             }
         }
     }
+
+    /// Why the GPU takes no requests now, if it does not.
+    fn gpu_unavailable(&self) -> Option<String> {
+        let s = &self.inner.supervisor;
+        let status = s.status();
+        if status.gpu_paused {
+            Some("the GPU is paused in settings".into())
+        } else if status.degraded || s.gpu_worker().is_none() {
+            Some(format!("the GPU is unavailable: {}", status.reason))
+        } else {
+            None
+        }
+    }
+
+    /// Runs a request from its queue to its end: waits for a slot in its lane (and, on the GPU,
+    /// for its memory), runs an attempt, and when the GPU fails it, journals the failover at
+    /// once and moves it into the CPU queue for its next attempt (replay, or resume after the
+    /// tokens already delivered).
+    async fn execute(&self, sub: Submission, start: Start, cancel: CancelSignal, events: mpsc::UnboundedSender<StreamEvent>) -> Result<Completion, Ended> {
+        let inner = &self.inner;
+        let id = sub.run.request_id.clone();
+        let shape = RequestShape {
+            prompt_tokens: sub.run.request.prompt_tokens.len() as u64,
+            max_tokens: sub.run.request.max_tokens as u64,
+            prefill_chunk: sub.run.request.prefill_chunk as u64,
+        };
+        // The host RAM of the CPU path is held until the request ends.
+        let Start { mut attempt, mut on_gpu, mut gpu_grant, host_reservation: mut _host, mut admission } = start;
+        let mut progress = Progress::default();
+        let mut queued_ms = 0.0;
+        // Defect::FailoverBypassesCpuQueue: the next attempt takes no slot.
+        let mut skip_slot = false;
+        loop {
+            let lane = if on_gpu { &inner.gpu } else { &*inner.cpu };
+            let queued_at = Instant::now();
+            let permit = if std::mem::take(&mut skip_slot) {
+                lane.forget(&id);
+                None
+            } else {
+                let permit = tokio::select! {
+                    p = lane.slots.acquire() => p.ok(),
+                    _ = cancel.cancelled() => None,
+                };
+                lane.forget(&id);
+                let Some(permit) = permit else {
+                    return Err(self.end_in_queue(lane, &id, shape.prompt_tokens, shape.max_tokens, Ended::Cancelled));
+                };
+                Some(permit)
+            };
+            // A request queued for the GPU starts only when its memory is there: a free slot is
+            // not free memory. If it does not come within the queue wait, or the GPU goes away,
+            // the request moves to the CPU queue.
+            if on_gpu && gpu_grant.is_none() {
+                match self.wait_for_gpu_memory(&sub, queued_at, &cancel).await {
+                    GpuWait::Run(grant) => gpu_grant = grant,
+                    GpuWait::Cancelled => return Err(self.end_in_queue(lane, &id, shape.prompt_tokens, shape.max_tokens, Ended::Cancelled)),
+                    GpuWait::Leave { why, cpu_allowed: false } => {
+                        let reason = format!("{why}, and CPU fallback is not allowed");
+                        return Err(self.end_in_queue(lane, &id, shape.prompt_tokens, shape.max_tokens, Ended::Failed { reason, resumable: true }));
+                    }
+                    GpuWait::Leave { why, cpu_allowed: true } => {
+                        drop(permit);
+                        lane.leave(shape.prompt_tokens, shape.max_tokens);
+                        self.queue_changed(lane);
+                        queued_ms += queued_at.elapsed().as_secs_f64() * 1000.0;
+                        _host = Some(self.join_cpu_after_gpu(&id, shape, &cancel, &events, &why).await?);
+                        admission = why;
+                        on_gpu = false;
+                        continue;
+                    }
+                }
+            }
+            queued_ms += queued_at.elapsed().as_secs_f64() * 1000.0;
+            lane.running.fetch_add(1, Ordering::SeqCst);
+            self.queue_changed(lane);
+            let device = if on_gpu { inner.supervisor.config().gpu.as_ref().map(|g| g.device.label()).unwrap_or_default() } else { "cpu".into() };
+            let leave_lane = || {
+                lane.running.fetch_sub(1, Ordering::SeqCst);
+                lane.leave(shape.prompt_tokens, shape.max_tokens);
+                self.queue_changed(lane);
+            };
+            if let Err(e) = self.journal_step(&id, &Transition::Running { device, attempt }) {
+                leave_lane();
+                self.count_end(lane.device, "failed");
+                return Err(journal_failure(&e));
+            }
+            let started = Instant::now();
+            let mut first = sub.stream;
+            let mut journal_broke: Option<JournalError> = None;
+            let result = inner
+                .supervisor
+                .attempt(&sub.run, if on_gpu { Target::Gpu } else { Target::Cpu }, &mut progress, &cancel, &mut |t: &StreamedToken| {
+                    if first {
+                        first = false;
+                        // From here on a replay from the start would show the client text twice.
+                        let written = inner.journal.record_delivered(&id, 1);
+                        if let Err(e) = self.journal_written(&id, written) {
+                            journal_broke = Some(e);
+                            cancel.cancel();
+                        }
+                    }
+                    let _ = events.send(StreamEvent::Token(t.clone()));
+                })
+                .await;
+            drop(gpu_grant.take());
+            leave_lane();
+            drop(permit);
+            if let Some(e) = journal_broke {
+                self.count_end(lane.device, "failed");
+                return Err(journal_failure(&e));
+            }
+            match result {
+                Ok(outcome) => return self.completed(&sub, outcome, on_gpu, admission, queued_ms, started),
+                Err(AttemptError::GpuFailed { from, reason, resumed_after_tokens }) => {
+                    let metrics = &inner.metrics;
+                    metrics.failovers.get_or_create(&FailoverLabels { from: from.clone(), to: "cpu".into() }).inc();
+                    if resumed_after_tokens > 0 { metrics.resumes.inc() } else { metrics.replays.inc() };
+                    attempt += 1;
+                    let next = if resumed_after_tokens > 0 {
+                        Transition::Resumed { to: "cpu".into(), attempt, after_tokens: resumed_after_tokens }
+                    } else {
+                        Transition::Replayed { to: "cpu".into(), attempt }
+                    };
+                    let journaled = self
+                        .journal_step(&id, &Transition::AttemptFailed { device: from, kind: "failover".into(), detail: reason.clone() })
+                        .and_then(|()| self.journal_step(&id, &next));
+                    if let Err(e) = journaled {
+                        self.count_end(lane.device, "failed");
+                        return Err(journal_failure(&e));
+                    }
+                    if !sub.allow.cpu {
+                        let detail = format!("{reason}; the request does not allow the CPU (allow_cpu: false), so it ends here; retry it");
+                        let _ = self.journal_step(&id, &Transition::Failed { kind: "worker".into(), detail: detail.clone(), resumable: true });
+                        self.count_end(lane.device, "failed");
+                        return Err(Ended::Failed { reason: detail, resumable: true });
+                    }
+                    on_gpu = false;
+                    if self.has_defect(Defect::FailoverBypassesCpuQueue) {
+                        inner.cpu.waiting.fetch_add(1, Ordering::SeqCst);
+                        inner.cpu.join(&id, shape.prompt_tokens, shape.max_tokens);
+                        skip_slot = true;
+                        continue;
+                    }
+                    _host = Some(self.join_cpu_after_gpu(&id, shape, &cancel, &events, &reason).await?);
+                }
+                Err(AttemptError::End(Error::Cancelled)) => {
+                    let _ = self.journal_step(&id, &Transition::Cancelled { reason: "cancelled while running".into() });
+                    self.count_end(lane.device, "cancelled");
+                    return Err(Ended::Cancelled);
+                }
+                Err(AttemptError::End(e)) => {
+                    let resumable = matches!(e, Error::Interrupted { .. } | Error::Worker(_) | Error::Unavailable(_));
+                    let kind = match &e {
+                        Error::Interrupted { .. } => "interrupted",
+                        Error::Invalid(_) => "invalid",
+                        _ => "worker",
+                    };
+                    let detail = e.to_string();
+                    let _ = self.journal_step(&id, &Transition::Failed { kind: kind.into(), detail: detail.clone(), resumable });
+                    self.count_end(lane.device, "failed");
+                    return Err(Ended::Failed { reason: detail, resumable });
+                }
+            }
+        }
+    }
+
+    /// Journals and counts a finished request.
+    fn completed(&self, sub: &Submission, mut outcome: RunOutcome, on_gpu: bool, admission: String, queued_ms: f64, started: Instant) -> Result<Completion, Ended> {
+        let inner = &self.inner;
+        let id = &sub.run.request_id;
+        if !on_gpu && inner.supervisor.config().gpu.is_some() && !outcome.degraded {
+            // Admission (or a wait for GPU memory) sent it to the CPU: slower than the client
+            // would expect, so say so.
+            outcome.degraded = true;
+            outcome.degraded_reason = Some(format!("served by the CPU worker: {admission}"));
+        }
+        let finishing_lane = if outcome.device == "cpu" { &*inner.cpu } else { &inner.gpu };
+        if outcome.failovers.is_empty() {
+            let total_ms = started.elapsed().as_secs_f64() * 1000.0;
+            finishing_lane.observe(outcome.prompt_tokens, outcome.prefill_ms, outcome.completion_tokens, (total_ms - outcome.prefill_ms).max(0.0));
+        }
+        let metrics = &inner.metrics;
+        metrics.requests.get_or_create(&OutcomeLabels { device: outcome.device.clone(), outcome: "completed".into() }).inc();
+        metrics.generated_tokens.get_or_create(&crate::metrics::device(&outcome.device)).inc_by(outcome.completion_tokens as u64);
+        if sub.stream {
+            let written = inner.journal.record_delivered(id, outcome.tokens.len() as u32);
+            if let Err(e) = self.journal_written(id, written) {
+                return Err(journal_failure(&e));
+            }
+        }
+        let completion = Completion { outcome, admission, queued_ms, from_journal: false, cpu_failover: sub.allow.cpu };
+        let stored = serde_json::to_value(&completion).unwrap_or_default();
+        self.journal_step(id, &Transition::Completed { device: completion.outcome.device.clone(), result: stored }).map_err(|e| journal_failure(&e))?;
+        Ok(completion)
+    }
+}
+
+/// How a request starts executing (from admission, or after a restart).
+struct Start {
+    attempt: u32,
+    on_gpu: bool,
+    gpu_grant: Option<Reservation>,
+    host_reservation: Option<Reservation>,
+    admission: String,
+}
+
+/// What waiting for GPU memory came to.
+enum GpuWait {
+    /// Run now, with the memory granted (None: a healthy GPU with no memory reading yet).
+    Run(Option<Reservation>),
+    /// Leave the GPU lane: its memory did not free in time, or the GPU is gone.
+    Leave { why: String, cpu_allowed: bool },
+    Cancelled,
+}
+
+/// A request failed because its journal could not be written: loudly, never run unrecorded.
+fn journal_failure(e: &JournalError) -> Ended {
+    Ended::Failed { reason: format!("the request journal could not record this request ({e}), so it was stopped; retry once the server's disk is writable"), resumable: true }
 }
 
 #[cfg(test)]
@@ -1026,7 +1306,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_lane_resized_by_settings_gives_and_takes_back_slots() {
-        let lane = Arc::new(Lane::new("cpu", 4, 1));
+        let lane = Arc::new(Lane::new("cpu", 4, 0, 1));
         let running = lane.slots.acquire().await.unwrap();
         lane.resize(3);
         assert_eq!(lane.slots.available_permits(), 2, "two more slots at once");
@@ -1042,7 +1322,7 @@ mod tests {
 
     #[test]
     fn lane_delay_comes_from_measured_rates_and_the_work_ahead() {
-        let lane = Lane::new("cpu", 4, 1);
+        let lane = Lane::new("cpu", 4, 0, 1);
         assert_eq!(lane.estimated_delay_ms(), None, "nothing measured yet");
         lane.observe(100, 100.0, 100, 1000.0); // 1 ms a prompt token, 10 ms a new token
         assert_eq!(lane.estimated_delay_ms(), Some(0), "a free slot: no wait");

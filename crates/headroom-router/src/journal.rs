@@ -259,6 +259,13 @@ impl Journal {
         Ok(Self { conn: Mutex::new(conn) })
     }
 
+    /// Makes every later write fail the way a full or read-only disk does (SQLite's own
+    /// `query_only` refusal), so tests can check that no failed write goes unnoticed.
+    #[doc(hidden)]
+    pub fn refuse_writes_for_test(&self) {
+        let _ = self.conn().pragma_update(None, "query_only", true);
+    }
+
     fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
         self.conn.lock().unwrap_or_else(|p| p.into_inner())
     }

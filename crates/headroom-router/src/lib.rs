@@ -13,12 +13,12 @@ pub mod supervisor;
 pub mod worker;
 
 pub use breaker::{Breaker, BreakerConfig, BreakerState, FailureCause};
-pub use dispatch::{CancelOutcome, Completion, Dispatcher, QueueConfig, QueueStatus, SettingsError, SettingsUpdate, Submission, SubmitError, Ticket};
+pub use dispatch::{CancelOutcome, Completion, Defect, Dispatcher, QueueConfig, QueueStatus, SettingsError, SettingsUpdate, StreamEvent, Submission, SubmitError, Ticket, WaitNotice};
 pub use events::{EventKind, ServiceEvent};
 pub use journal::{Accepted, Journal, JournalError, NewRequest, Recovery, RequestRecord, RequestState, Transition};
 pub use settings::{Settings, SettingsFile};
-pub use supervisor::{CancelSignal, CpuSetup, DeviceStatus, FailoverRecord, RunOutcome, RunRequest, StreamedToken, SupervisionConfig, Supervisor, SupervisorConfig, Target};
-pub use worker::{Worker, WorkerSpec};
+pub use supervisor::{AttemptError, CancelSignal, Progress, CpuSetup, DeviceStatus, FailoverRecord, RunOutcome, RunRequest, StreamedToken, SupervisionConfig, Supervisor, SupervisorConfig, Target};
+pub use worker::{HealthReport, Worker, WorkerSpec};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

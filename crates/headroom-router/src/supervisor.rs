@@ -25,6 +25,10 @@ pub struct SupervisionConfig {
     pub health_interval_ms: u64,
     /// A worker that does not answer a health check within this is hung and is replaced.
     pub health_timeout_ms: u64,
+    /// A worker that answers its health checks but, with requests running, produces no prefill
+    /// or token for this long is hung too. Longer than any kernel compilation (CUDA compiles
+    /// a shape not seen before for up to tens of seconds: busy, not hung).
+    pub stall_timeout_ms: u64,
     pub load_timeout_ms: u64,
     /// First restart delay of the GPU worker; doubles per failed attempt up to the max.
     pub restart_backoff_initial_ms: u64,
@@ -39,6 +43,7 @@ impl Default for SupervisionConfig {
         Self {
             health_interval_ms: 1000,
             health_timeout_ms: 3000,
+            stall_timeout_ms: 120_000,
             load_timeout_ms: 300_000,
             restart_backoff_initial_ms: 250,
             restart_backoff_max_ms: 30_000,
@@ -75,6 +80,8 @@ pub struct SupervisorConfig {
     pub supervision: SupervisionConfig,
     /// Start with the GPU paused (settings): the GPU worker is not started until unpaused.
     pub gpu_paused: bool,
+    /// Extra environment variables for every worker process.
+    pub worker_env: Vec<(String, String)>,
 }
 
 /// What the CPU worker runs: its options and model. Settings change it live
@@ -96,6 +103,7 @@ impl SupervisorConfig {
             cpu_fallback_model_dir: None,
             supervision: SupervisionConfig::default(),
             gpu_paused: false,
+            worker_env: Vec::new(),
         }
     }
 }
@@ -186,11 +194,13 @@ impl CancelSignal {
     }
 }
 
-/// Where the dispatcher may send a request.
+/// Where an attempt runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Target {
     /// The GPU while the breaker is closed, else the CPU.
     Auto,
+    /// The GPU; a GPU that is down or paused fails the attempt over.
+    Gpu,
     Cpu,
 }
 
@@ -316,6 +326,7 @@ impl Supervisor {
             options: setup.options.clone(),
             model_dir: setup.fallback_model_dir.clone().unwrap_or_else(|| c.model_dir.clone()),
             load_timeout: Duration::from_millis(c.supervision.load_timeout_ms),
+            env: c.worker_env.clone(),
         }
     }
 
@@ -372,6 +383,7 @@ impl Supervisor {
             options: options.clone(),
             model_dir: c.model_dir.clone(),
             load_timeout: Duration::from_millis(c.supervision.load_timeout_ms),
+            env: c.worker_env.clone(),
         })
     }
 
@@ -485,6 +497,7 @@ impl Supervisor {
         // the latest opening is not trusted and is replaced before the probe.
         let mut worker_epoch = self.inner.breaker.lock().unwrap().times_opened();
         let mut paused = self.inner.gpu_paused.subscribe();
+        let mut stall = StallWatch::default();
         loop {
             if self.shutting_down() {
                 return;
@@ -583,12 +596,14 @@ impl Supervisor {
                     if state != BreakerState::Closed {
                         continue;
                     }
-                    if let Err(e) = worker.health(self.inner.config.supervision.health_timeout()).await {
-                        if worker.has_exited() {
-                            continue;
-                        }
-                        self.emit(EventKind::HealthCheckFailed { device: worker.device.label(), pid: worker.pid, reason: e.to_string() });
-                        self.trip(FailureCause::HealthCheck, &e.to_string());
+                    let hung = match worker.health(self.inner.config.supervision.health_timeout()).await {
+                        Ok(report) => stall.observe(worker.pid, &report, self.inner.config.supervision.stall_timeout_ms),
+                        Err(_) if worker.has_exited() => continue,
+                        Err(e) => Some(e.to_string()),
+                    };
+                    if let Some(reason) = hung {
+                        self.emit(EventKind::HealthCheckFailed { device: worker.device.label(), pid: worker.pid, reason: reason.clone() });
+                        self.trip(FailureCause::HealthCheck, &reason);
                         self.retire_gpu(&worker).await;
                     }
                 }
@@ -640,161 +655,238 @@ impl Supervisor {
         }
     }
 
-    /// Runs a request: on the GPU while the breaker is closed, failing over to the CPU worker when
-    /// the GPU fails. `on_token` sees every token once, in order, whichever device produced it.
-    pub async fn run(&self, run: RunRequest, target: Target, on_token: impl FnMut(&StreamedToken)) -> Result<RunOutcome> {
-        self.run_cancellable(run, target, &CancelSignal::new(), on_token).await
+    /// Runs a request on its own, outside any queue: on the GPU while the breaker is closed,
+    /// continuing on the CPU worker when the GPU fails. `on_token` sees every token once, in
+    /// order, whichever device produced it. For tests and `headroom failover`; the service's
+    /// requests go through the dispatcher, whose failover waits for a CPU slot in the CPU queue.
+    pub async fn run(&self, run: RunRequest, target: Target, mut on_token: impl FnMut(&StreamedToken)) -> Result<RunOutcome> {
+        let cancel = CancelSignal::new();
+        let mut progress = Progress::default();
+        let mut target = target;
+        loop {
+            match self.attempt(&run, target, &mut progress, &cancel, &mut on_token).await {
+                Ok(outcome) => return Ok(outcome),
+                Err(AttemptError::End(e)) => return Err(e),
+                Err(AttemptError::GpuFailed { .. }) => target = Target::Cpu,
+            }
+        }
     }
 
-    /// [`Supervisor::run`] that stops when `cancel` fires: the worker is told to cancel (which
-    /// frees its reservation) and the call returns [`Error::Cancelled`] at once.
-    pub async fn run_cancellable(
+    /// One attempt at a request on one worker: the GPU's (`Gpu`, or `Auto` while the breaker
+    /// allows it) or the CPU's. It continues from `progress` (the tokens the client already has)
+    /// and adds to it. When the GPU fails the request in a way another device can recover from,
+    /// the failover is recorded in `progress` and announced, and the caller decides where the
+    /// request waits for its next attempt ([`AttemptError::GpuFailed`]). A cancel tells the
+    /// worker to stop (which frees its reservation) and returns [`Error::Cancelled`].
+    pub async fn attempt(
         &self,
-        run: RunRequest,
+        run: &RunRequest,
         target: Target,
+        progress: &mut Progress,
         cancel: &CancelSignal,
-        mut on_token: impl FnMut(&StreamedToken),
-    ) -> Result<RunOutcome> {
+        on_token: &mut impl FnMut(&StreamedToken),
+    ) -> Result<RunOutcome, AttemptError> {
         if cancel.is_cancelled() {
-            return Err(Error::Cancelled);
+            return Err(AttemptError::End(Error::Cancelled));
         }
-        let mut delivered: Vec<u32> = Vec::new();
-        let mut delivered_text = String::new();
-        let mut rng_word_pos: Option<String> = None;
-        let mut failovers: Vec<FailoverRecord> = Vec::new();
-        let mut failed_at: Option<Instant> = None;
-        let mut use_gpu = target == Target::Auto && !self.gpu_paused() && self.inner.breaker.lock().unwrap().allows_requests();
-        loop {
-            let worker = if use_gpu { self.gpu_worker() } else { None };
-            let worker = match worker {
-                Some(w) => w,
+        let gpu_allowed = !self.gpu_paused() && self.inner.breaker.lock().unwrap().allows_requests();
+        let worker = match target {
+            Target::Cpu => None,
+            Target::Auto => self.gpu_worker().filter(|_| gpu_allowed),
+            Target::Gpu => match self.gpu_worker().filter(|_| gpu_allowed) {
+                Some(w) => Some(w),
                 None => {
-                    use_gpu = false;
-                    self.cpu_worker().ok_or_else(|| Error::Unavailable("no worker is running; the CPU worker is restarting".into()))?
+                    let why = if self.gpu_paused() { "the GPU is paused in settings".to_string() } else { format!("the GPU is unavailable: {}", self.status().reason) };
+                    return Err(self.failed_over(run, progress, "gpu".into(), why));
                 }
-            };
-            let device = worker.device.label();
-            let mut request = run.request.clone();
-            if !delivered.is_empty() {
-                request.resume = Some(Checkpoint {
-                    prompt_tokens: run.request.prompt_tokens.clone(),
-                    generated_tokens: delivered.clone(),
-                    delivered_text: delivered_text.clone(),
-                    sampler: SamplerState {
-                        params: run.request.sampling.clone(),
-                        rng_word_pos: rng_word_pos.clone().unwrap_or_else(|| "0".into()),
-                    },
-                });
-            }
-            tracing::info!(request_id = %run.request_id, %device, resumed_after = delivered.len(), "dispatch");
-            let mut rx = worker
-                .generate(GenerateJob { request_id: run.request_id.clone(), request })
-                .await?;
-            let failure = loop {
-                let message = tokio::select! {
-                    message = rx.recv() => message,
-                    _ = cancel.cancelled() => {
-                        if let Err(e) = worker.cancel(&run.request_id).await {
-                            tracing::warn!(request_id = %run.request_id, error = %e, "could not forward a cancel");
-                        }
-                        // The worker checks for cancellation every token; wait for it to let go of
-                        // the request so its slot and reservation are free when we return.
-                        let _ = tokio::time::timeout(Duration::from_secs(5), async {
-                            while let Some(m) = rx.recv().await {
-                                if matches!(m, FromWorker::Done { .. } | FromWorker::Failed { .. }) {
-                                    break;
-                                }
-                            }
-                        })
-                        .await;
-                        return Err(Error::Cancelled);
-                    }
-                };
-                let Some(message) = message else {
-                    break (FailureKind::DeviceLost, format!("the {device} worker stopped answering"), true);
-                };
-                match message {
-                    FromWorker::Token { index, token, text, eos, rng_word_pos: pos, .. } => {
-                        if let (Some(at), Some(last)) = (failed_at.take(), failovers.last_mut()) {
-                            last.failure_to_first_token_ms = Some(at.elapsed().as_secs_f64() * 1000.0);
-                        }
-                        if !eos {
-                            delivered.push(token);
-                        }
-                        delivered_text.push_str(&text);
-                        rng_word_pos = Some(pos);
-                        on_token(&StreamedToken { index, token, text, device: device.clone() });
-                    }
-                    FromWorker::Done { finish_reason, prompt_tokens, completion_tokens, prefill_ms, decode_ms, .. } => {
-                        let status = self.status();
-                        let on_cpu = !worker.device.is_gpu();
-                        let degraded = on_cpu && self.inner.config.gpu.is_some() && (status.degraded || !failovers.is_empty());
-                        let degraded_reason = degraded.then(|| {
-                            failovers.last().map(|f| f.reason.clone()).unwrap_or_else(|| status.reason.clone())
-                        });
-                        let fallback_model = (on_cpu && self.cpu_setup().fallback_model_dir.is_some())
-                            .then(|| worker.ready.model_name.clone());
-                        return Ok(RunOutcome {
-                            request_id: run.request_id,
-                            device,
-                            simulated: worker.ready.simulated,
-                            degraded,
-                            degraded_reason,
-                            fallback_model,
-                            tokens: delivered,
-                            text: delivered_text,
-                            finish_reason,
-                            prompt_tokens,
-                            completion_tokens,
-                            prefill_ms,
-                            decode_ms,
-                            failovers,
-                        });
-                    }
-                    FromWorker::Failed { kind, message, replayable, .. } => break (kind, message, replayable),
-                    other => tracing::warn!(?other, "unexpected frame on a request stream"),
-                }
-            };
-            let (kind, message, replayable) = failure;
-            match kind {
-                FailureKind::Cancelled => return Err(Error::Cancelled),
-                FailureKind::Invalid => return Err(Error::Invalid(message)),
-                _ => {}
-            }
-            if !(use_gpu && replayable) {
-                return Err(Error::Worker(format!("{device}: {message}")));
-            }
-            // The GPU failed this request: count it, then continue on the CPU.
-            failed_at = Some(Instant::now());
-            match kind {
-                FailureKind::Oom => self.trip(FailureCause::Oom, &message),
-                FailureKind::DeviceLost => self.trip(FailureCause::DeviceLost, &message),
-                _ => {}
-            }
-            if !delivered.is_empty() && !run.allow_resume {
-                return Err(Error::Interrupted {
-                    reason: message,
-                    delivered_tokens: delivered.len() as u32,
-                });
-            }
-            let cpu = self.cpu_worker().map(|w| w.device.label()).unwrap_or_else(|| "cpu".into());
-            let reason = format!("{device} failed: {message}");
-            self.emit(EventKind::Failover {
-                request_id: run.request_id.clone(),
-                from: device.clone(),
-                to: cpu.clone(),
-                reason: reason.clone(),
-                resumed_after_tokens: delivered.len() as u32,
+            },
+        };
+        let worker = match worker {
+            Some(w) => w,
+            None => self.cpu_worker().ok_or_else(|| AttemptError::End(Error::Unavailable("no worker is running; the CPU worker is restarting".into())))?,
+        };
+        let on_gpu = worker.device.is_gpu();
+        let device = worker.device.label();
+        let mut request = run.request.clone();
+        if !progress.delivered.is_empty() {
+            request.resume = Some(Checkpoint {
+                prompt_tokens: run.request.prompt_tokens.clone(),
+                generated_tokens: progress.delivered.clone(),
+                delivered_text: progress.delivered_text.clone(),
+                sampler: SamplerState {
+                    params: run.request.sampling.clone(),
+                    rng_word_pos: progress.rng_word_pos.clone().unwrap_or_else(|| "0".into()),
+                },
             });
-            failovers.push(FailoverRecord {
-                from: device,
-                to: cpu,
-                reason,
-                resumed_after_tokens: delivered.len() as u32,
-                failure_to_first_token_ms: None,
-            });
-            use_gpu = false;
         }
+        tracing::info!(request_id = %run.request_id, %device, resumed_after = progress.delivered.len(), "dispatch");
+        let mut rx = match worker.generate(GenerateJob { request_id: run.request_id.clone(), request }).await {
+            Ok(rx) => rx,
+            // A GPU worker that died before the router noticed: a device failure like any other.
+            Err(e) if on_gpu => {
+                self.trip(FailureCause::DeviceLost, &e.to_string());
+                return Err(self.failed_over(run, progress, device.clone(), format!("{device} failed: {e}")));
+            }
+            Err(e) => return Err(AttemptError::End(e)),
+        };
+        let failure = loop {
+            let message = tokio::select! {
+                message = rx.recv() => message,
+                _ = cancel.cancelled() => {
+                    if let Err(e) = worker.cancel(&run.request_id).await {
+                        tracing::warn!(request_id = %run.request_id, error = %e, "could not forward a cancel");
+                    }
+                    // The worker checks for cancellation every token; wait for it to let go of
+                    // the request so its slot and reservation are free when we return.
+                    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+                        while let Some(m) = rx.recv().await {
+                            if matches!(m, FromWorker::Done { .. } | FromWorker::Failed { .. }) {
+                                break;
+                            }
+                        }
+                    })
+                    .await;
+                    return Err(AttemptError::End(Error::Cancelled));
+                }
+            };
+            let Some(message) = message else {
+                break (FailureKind::DeviceLost, format!("the {device} worker stopped answering"), true);
+            };
+            match message {
+                FromWorker::Token { index, token, text, eos, rng_word_pos, .. } => {
+                    if let (Some(at), Some(last)) = (progress.failed_at.take(), progress.failovers.last_mut()) {
+                        last.failure_to_first_token_ms = Some(at.elapsed().as_secs_f64() * 1000.0);
+                    }
+                    if !eos {
+                        progress.delivered.push(token);
+                    }
+                    progress.delivered_text.push_str(&text);
+                    progress.rng_word_pos = Some(rng_word_pos);
+                    on_token(&StreamedToken { index, token, text, device: device.clone() });
+                }
+                FromWorker::Done { finish_reason, prompt_tokens, completion_tokens, prefill_ms, decode_ms, .. } => {
+                    let status = self.status();
+                    let degraded = !on_gpu && self.inner.config.gpu.is_some() && (status.degraded || !progress.failovers.is_empty());
+                    let degraded_reason = degraded.then(|| {
+                        progress.failovers.last().map(|f| f.reason.clone()).unwrap_or_else(|| status.reason.clone())
+                    });
+                    let fallback_model = (!on_gpu && self.cpu_setup().fallback_model_dir.is_some())
+                        .then(|| worker.ready.model_name.clone());
+                    return Ok(RunOutcome {
+                        request_id: run.request_id.clone(),
+                        device,
+                        simulated: worker.ready.simulated,
+                        degraded,
+                        degraded_reason,
+                        fallback_model,
+                        tokens: std::mem::take(&mut progress.delivered),
+                        text: std::mem::take(&mut progress.delivered_text),
+                        finish_reason,
+                        prompt_tokens,
+                        completion_tokens,
+                        prefill_ms,
+                        decode_ms,
+                        failovers: std::mem::take(&mut progress.failovers),
+                    });
+                }
+                FromWorker::Failed { kind, message, replayable, .. } => break (kind, message, replayable),
+                other => tracing::warn!(?other, "unexpected frame on a request stream"),
+            }
+        };
+        let (kind, message, replayable) = failure;
+        match kind {
+            FailureKind::Cancelled => return Err(AttemptError::End(Error::Cancelled)),
+            FailureKind::Invalid => return Err(AttemptError::End(Error::Invalid(message))),
+            _ => {}
+        }
+        if !(on_gpu && replayable) {
+            return Err(AttemptError::End(Error::Worker(format!("{device}: {message}"))));
+        }
+        // The GPU failed this request: count it against the device.
+        match kind {
+            FailureKind::Oom => self.trip(FailureCause::Oom, &message),
+            FailureKind::DeviceLost => self.trip(FailureCause::DeviceLost, &message),
+            _ => {}
+        }
+        let reason = format!("{device} failed: {message}");
+        if !progress.delivered.is_empty() && !run.allow_resume {
+            return Err(AttemptError::End(Error::Interrupted { reason: message, delivered_tokens: progress.delivered.len() as u32 }));
+        }
+        Err(self.failed_over(run, progress, device, reason))
+    }
+
+    /// Records and announces that a request leaves the GPU for the CPU. A CPU worker holding
+    /// another model (a fallback) cannot continue another model's tokens: the request is
+    /// replayed there from the client's prompt, which that worker tokenizes itself.
+    fn failed_over(&self, run: &RunRequest, progress: &mut Progress, from: String, reason: String) -> AttemptError {
+        let tokens_bundle = run.request.source.as_ref().map(|s| s.bundle_hash.clone()).or_else(|| self.gpu_worker().map(|w| w.ready.bundle_hash.clone()));
+        let cpu_bundle = self.cpu_worker().map(|w| w.ready.bundle_hash.clone());
+        if matches!((&tokens_bundle, &cpu_bundle), (Some(t), Some(c)) if t != c) && !progress.delivered.is_empty() {
+            tracing::info!(request_id = %run.request_id, delivered = progress.delivered.len(), "the CPU worker holds another model: replaying from the prompt");
+            progress.delivered.clear();
+            progress.delivered_text.clear();
+            progress.rng_word_pos = None;
+        }
+        let resumed_after_tokens = progress.delivered.len() as u32;
+        self.emit(EventKind::Failover {
+            request_id: run.request_id.clone(),
+            from: from.clone(),
+            to: "cpu".into(),
+            reason: reason.clone(),
+            resumed_after_tokens,
+        });
+        progress.failed_at = Some(Instant::now());
+        progress.failovers.push(FailoverRecord { from: from.clone(), to: "cpu".into(), reason: reason.clone(), resumed_after_tokens, failure_to_first_token_ms: None });
+        AttemptError::GpuFailed { from, reason, resumed_after_tokens }
+    }
+}
+
+/// What a request has from its earlier attempts: the tokens the client already has (a next
+/// attempt resumes after them) and the failovers so far.
+#[derive(Debug, Default)]
+pub struct Progress {
+    delivered: Vec<u32>,
+    delivered_text: String,
+    rng_word_pos: Option<String>,
+    failovers: Vec<FailoverRecord>,
+    failed_at: Option<Instant>,
+}
+
+/// Why an attempt did not finish its request.
+#[derive(Debug)]
+pub enum AttemptError {
+    /// The request ends here (cancelled, invalid, interrupted, or the CPU worker failed it).
+    End(Error),
+    /// The GPU failed (or was not there); the request can continue on the CPU worker, replayed
+    /// or resumed after `resumed_after_tokens`.
+    GpuFailed { from: String, reason: String, resumed_after_tokens: u32 },
+}
+
+/// Tells a busy worker from a hung one by its progress between health answers.
+#[derive(Debug, Default)]
+struct StallWatch {
+    pid: u32,
+    progress: u64,
+    since: Option<Instant>,
+}
+
+impl StallWatch {
+    /// Takes a health answer; returns why the worker is hung, if it is: requests running and
+    /// no prefill or token for `stall_timeout_ms`.
+    fn observe(&mut self, pid: u32, report: &crate::worker::HealthReport, stall_timeout_ms: u64) -> Option<String> {
+        let moved = pid != self.pid || report.progress != self.progress || report.active_requests == 0;
+        if moved || self.since.is_none() {
+            *self = Self { pid, progress: report.progress, since: Some(Instant::now()) };
+            return None;
+        }
+        let still = self.since.map(|s| s.elapsed()).unwrap_or_default();
+        (still >= Duration::from_millis(stall_timeout_ms)).then(|| {
+            format!(
+                "the worker (pid {pid}) answers health checks but its {} running request(s) produced nothing for {} ms",
+                report.active_requests,
+                still.as_millis()
+            )
+        })
     }
 }
 

@@ -24,6 +24,8 @@ pub struct WorkerSpec {
     pub options: WorkerOptions,
     pub model_dir: PathBuf,
     pub load_timeout: Duration,
+    /// Extra environment variables for the process.
+    pub env: Vec<(String, String)>,
 }
 
 /// What a worker said when its model was ready.
@@ -35,6 +37,16 @@ pub struct ReadyInfo {
     pub max_concurrency: u32,
     pub load_ms: f64,
     pub simulated: bool,
+}
+
+/// A worker's health answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HealthReport {
+    pub memory: MemoryReading,
+    /// Requests running there.
+    pub active_requests: u32,
+    /// Prefills and tokens produced since it started: standing still while busy means hung.
+    pub progress: u64,
 }
 
 /// How the process ended.
@@ -86,6 +98,7 @@ impl Worker {
         let device = spec.options.device;
         let mut child = tokio::process::Command::new(&spec.program)
             .args(spec.options.to_args())
+            .envs(spec.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -287,13 +300,13 @@ impl Worker {
     }
 
     /// Asks for a health answer; a worker that does not answer in time is unhealthy.
-    pub async fn health(&self, timeout: Duration) -> Result<MemoryReading> {
+    pub async fn health(&self, timeout: Duration) -> Result<HealthReport> {
         let nonce = self.nonce.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         self.routes.health.lock().unwrap().insert(nonce, tx);
         self.send(&ToWorker::Health { nonce }).await?;
         match tokio::time::timeout(timeout, rx).await {
-            Ok(Ok(FromWorker::HealthOk { memory, .. })) => Ok(memory),
+            Ok(Ok(FromWorker::HealthOk { memory, active_requests, progress, .. })) => Ok(HealthReport { memory, active_requests, progress }),
             Ok(_) => Err(Error::Worker(format!("the {} worker ended during a health check", self.device))),
             Err(_) => {
                 self.routes.health.lock().unwrap().remove(&nonce);

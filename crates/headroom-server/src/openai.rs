@@ -2,7 +2,7 @@
 //! submissions. Unknown fields are ignored (clients send many); fields we cannot honour are
 //! refused with a 400 that says so, never silently dropped.
 
-use headroom_model::{ChatMessage, GenerateRequest, ModelBundle, SamplingParams};
+use headroom_model::{ChatMessage, GenerateRequest, ModelBundle, PromptInput, PromptSource, SamplingParams};
 use headroom_router::{Completion, RunOutcome};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -289,7 +289,10 @@ pub fn prepare_chat(bundle: &ModelBundle, served: &str, limits: &Limits, body: &
         Some(_) => return Err(ApiError::invalid("tools", "tools must be an array of function tools")),
     };
     let prompt = bundle.chat_prompt(&messages, tools.as_ref()).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-    prepare(limits, prompt, &body.params, tools.is_some())
+    let has_tools = tools.is_some();
+    let mut prepared = prepare(limits, prompt, &body.params, has_tools)?;
+    prepared.request.source = Some(PromptSource { bundle_hash: bundle.hash.clone(), input: PromptInput::Chat { messages, tools } });
+    Ok(prepared)
 }
 
 pub fn prepare_completion(bundle: &ModelBundle, served: &str, limits: &Limits, body: &CompletionRequest) -> Result<Prepared, ApiError> {
@@ -311,7 +314,9 @@ pub fn prepare_completion(bundle: &ModelBundle, served: &str, limits: &Limits, b
         return Err(ApiError::invalid("prompt", "prompt is empty"));
     }
     let tokens = bundle.encode(&prompt, true).map_err(|e| ApiError::invalid("prompt", e.to_string()))?;
-    prepare(limits, tokens, &body.params, false)
+    let mut prepared = prepare(limits, tokens, &body.params, false)?;
+    prepared.request.source = Some(PromptSource { bundle_hash: bundle.hash.clone(), input: PromptInput::Text { text: prompt } });
+    Ok(prepared)
 }
 
 // ---- responses ----
@@ -357,6 +362,9 @@ pub struct HeadroomInfo {
     pub admission: String,
     /// Served from the journal for a repeated Idempotency-Key: nothing ran again.
     pub from_journal: bool,
+    /// Whether the request would have continued on the CPU worker had the GPU failed (false
+    /// when the client sent `allow_cpu: false`).
+    pub cpu_failover: bool,
 }
 
 impl HeadroomInfo {
@@ -379,6 +387,7 @@ impl HeadroomInfo {
             decode_ms: o.decode_ms,
             admission: c.admission.clone(),
             from_journal: c.from_journal,
+            cpu_failover: c.cpu_failover,
         }
     }
 }

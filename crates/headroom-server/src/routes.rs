@@ -15,7 +15,7 @@ use axum::routing::{get, post};
 use axum::Json;
 use futures_util::StreamExt;
 use headroom_memory::Allowances;
-use headroom_router::{CancelOutcome, Completion, RunRequest, Submission, Ticket};
+use headroom_router::{CancelOutcome, Completion, RunRequest, StreamEvent, Submission, Ticket};
 use headroom_worker::Fault;
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -104,6 +104,13 @@ fn parse_body<T: serde::de::DeserializeOwned>(body: Result<Bytes, BytesRejection
     Ok((value, bytes))
 }
 
+/// Test-only: a server started with `HEADROOM_TEST_IGNORE_IDEMPOTENCY_KEY` ignores the
+/// Idempotency-Key header (the pressure harness's negative control for duplicate side effects).
+fn ignores_idempotency_keys() -> bool {
+    static IGNORE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *IGNORE.get_or_init(|| std::env::var_os("HEADROOM_TEST_IGNORE_IDEMPOTENCY_KEY").is_some())
+}
+
 fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
     headers.get(name).and_then(|v| v.to_str().ok())
 }
@@ -113,6 +120,7 @@ fn submission(headers: &HeaderMap, raw: &Bytes, prepared: &Prepared) -> Result<S
     if key.as_deref().is_some_and(|k| k.is_empty() || k.len() > 255) {
         return Err(ApiError::invalid(None, "Idempotency-Key must be 1 to 255 characters"));
     }
+    let key = key.filter(|_| !ignores_idempotency_keys());
     let header_timeout = match header_str(headers, TIMEOUT_HEADER) {
         Some(v) => Some(v.trim().parse::<u64>().map_err(|_| ApiError::invalid(None, format!("{TIMEOUT_HEADER}: {v:?} is not a number of milliseconds")))?),
         None => None,
@@ -190,18 +198,19 @@ fn with_placement(mut response: Response, placement: &Placement) -> Response {
 }
 
 /// Tool calls in a finished chat, recorded in the journal before the client sees them (a
-/// replay of this request can then never deliver them again).
-fn tool_calls(state: &AppState, c: &Completion, tools: bool) -> (String, Vec<openai::ToolCall>) {
+/// replay of this request can then never deliver them again). A call that cannot be recorded
+/// is not delivered: the client gets an error and retries with its key.
+fn tool_calls(state: &AppState, c: &Completion, tools: bool) -> Result<(String, Vec<openai::ToolCall>), ApiError> {
     if !tools {
-        return (c.outcome.text.clone(), Vec::new());
+        return Ok((c.outcome.text.clone(), Vec::new()));
     }
     let (text, calls) = openai::parse_tool_calls(&c.outcome.request_id, &c.outcome.text);
     for call in &calls {
-        if let Err(e) = state.dispatcher.journal().record_tool_call(&c.outcome.request_id, &call.id, &call.function.name, &call.function.arguments) {
-            tracing::warn!(error = %e, "could not journal a tool call");
-        }
+        state.dispatcher.record_tool_call(&c.outcome.request_id, &call.id, &call.function.name, &call.function.arguments).map_err(|e| {
+            ApiError::internal(format!("the request journal could not record tool call {} ({e}), so it is not delivered; retry with the same Idempotency-Key once the server's disk is writable", call.id))
+        })?;
     }
-    (text, calls)
+    Ok((text, calls))
 }
 
 #[utoipa::path(
@@ -256,9 +265,9 @@ async fn serve(state: Arc<AppState>, headers: &HeaderMap, raw: &Bytes, prepared:
         err.message = format!("{} (request {request_id}; GET /v1/requests/{request_id} shows its history)", err.message);
         err
     })?;
-    let (text, calls) = tool_calls(&state, &completion, prepared.tools && kind == Kind::Chat);
+    let (text, calls) = tool_calls(&state, &completion, prepared.tools && kind == Kind::Chat)?;
     let o = &completion.outcome;
-    let common = (format!("{}-{}", if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }, o.request_id), now_unix(), state.model_id.clone(), format!("fp_{}", state.bundle.short_hash()));
+    let common = (format!("{}-{}", if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }, o.request_id), now_unix(), o.fallback_model.clone().unwrap_or_else(|| state.model_id.clone()), format!("fp_{}", state.bundle.short_hash()));
     let response = match kind {
         Kind::Chat => Json(ChatCompletion {
             id: common.0,
@@ -331,14 +340,33 @@ fn stream(state: Arc<AppState>, mut ticket: Ticket, prepared: Prepared, kind: Ki
         let hold_text = prepared.tools && kind == Kind::Chat;
         let mut streamed = 0usize;
         loop {
-            let token = tokio::select! {
-                t = ticket.next_token() => t,
+            let event = tokio::select! {
+                t = ticket.next_event() => t,
                 _ = tx.closed() => return,
             };
-            let Some(token) = token else { break };
+            let token = match event {
+                None => break,
+                Some(StreamEvent::Token(token)) => token,
+                Some(StreamEvent::Waiting(w)) => {
+                    // Left its device: the client hears where it waits and for about how long.
+                    let n = json!({"notice": "waiting", "queue": w.queue, "ahead": w.ahead, "estimated_delay_ms": w.estimated_delay_ms, "degraded": true,
+                        "message": format!("{}; waiting for the {} worker ({} ahead{})", w.reason, w.queue, w.ahead,
+                            w.estimated_delay_ms.map(|d| format!(", about {d} ms")).unwrap_or_default())});
+                    if tx.send(Ok(chunk(Value::Null, Some(n)))).await.is_err() {
+                        return;
+                    }
+                    continue;
+                }
+            };
             let notice = (token.device != device).then(|| {
-                let n = json!({"notice": "failover", "from": device, "to": token.device, "degraded": true,
-                    "message": format!("the {device} worker failed; continuing on {} after {} tokens", token.device, token.index)});
+                // A fallback model cannot continue another model's text: it starts over.
+                let restarted = token.index == 0 && streamed > 0;
+                let message = if restarted {
+                    format!("the {device} worker failed; {} answers again from the start with its own model: discard the text so far", token.device)
+                } else {
+                    format!("the {device} worker failed; continuing on {} after {} tokens", token.device, token.index)
+                };
+                let n = json!({"notice": if restarted { "restart" } else { "failover" }, "from": device, "to": token.device, "degraded": true, "message": message});
                 device = token.device.clone();
                 n
             });
@@ -359,7 +387,14 @@ fn stream(state: Arc<AppState>, mut ticket: Ticket, prepared: Prepared, kind: Ki
                 return;
             }
         };
-        let (text, calls) = tool_calls(&state, &end, hold_text);
+        let (text, calls) = match tool_calls(&state, &end, hold_text) {
+            Ok(r) => r,
+            Err(err) => {
+                let _ = tx.send(Ok(Event::default().data(json!({"error": err.body().error}).to_string()))).await;
+                let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
+                return;
+            }
+        };
         // Attached to a request another client streams, or served from the journal: the text
         // arrives whole.
         if (hold_text || streamed == 0) && !text.is_empty() {
@@ -599,8 +634,13 @@ pub struct ReadyBody {
 #[utoipa::path(get, path = "/readyz", responses((status = 200, description = "Requests can be served", body = ReadyBody), (status = 503, description = "No worker can serve now", body = ReadyBody)))]
 async fn readyz(State(state): Shared) -> Response {
     let s = state.dispatcher.supervisor().status();
-    let ready = s.cpu.is_some() || (s.gpu.is_some() && !s.degraded);
-    let body = ReadyBody { ready, degraded: s.degraded, reason: (!ready).then(|| "no worker is running; the CPU worker is restarting".to_string()).or_else(|| s.degraded.then(|| s.reason.clone())) };
+    let journal_fault = state.dispatcher.journal_fault();
+    let workers = s.cpu.is_some() || (s.gpu.is_some() && !s.degraded);
+    let ready = workers && journal_fault.is_none();
+    let reason = journal_fault
+        .or_else(|| (!workers).then(|| "no worker is running; the CPU worker is restarting".to_string()))
+        .or_else(|| s.degraded.then(|| s.reason.clone()));
+    let body = ReadyBody { ready, degraded: s.degraded, reason };
     let code = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     (code, Json(body)).into_response()
 }

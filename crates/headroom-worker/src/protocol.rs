@@ -54,6 +54,10 @@ pub enum Fault {
     Hang,
     /// Every token takes this many times as long.
     Slowdown { factor: f64 },
+    /// The next request holds the device for this long before its first token, as CUDA's
+    /// kernel compilation does for a shape not compiled yet: anything else that needs the
+    /// device (a memory query, another request) waits for it meanwhile.
+    Compile { ms: u64 },
     /// Hold this much simulated VRAM for a competing program.
     Compete { mib: u64 },
     /// Remove every fault and release the competing workload.
@@ -108,10 +112,16 @@ pub enum FromWorker {
         replayable: bool,
         checkpoint: Option<Checkpoint>,
     },
+    /// Answered by a thread that generation and compilation never block, from the latest
+    /// memory reading.
     HealthOk {
         nonce: u64,
         active_requests: u32,
         memory: MemoryReading,
+        /// Grows with every prefill and every token: a busy worker whose progress stands still
+        /// is hung.
+        #[serde(default)]
+        progress: u64,
     },
     ProbeResult {
         ok: bool,

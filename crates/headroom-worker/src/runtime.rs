@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -60,6 +61,15 @@ struct State {
     faults: FaultState,
     /// Simulated VRAM (sim only).
     ledger: Option<Ledger>,
+    /// The latest memory reading. Health answers use it: reading the device live can wait
+    /// behind a kernel compilation (cubecl holds its device client), and a busy worker must
+    /// still answer.
+    latest_memory: Mutex<MemoryReading>,
+    /// Prefills and tokens produced so far (health reports it; see [`FromWorker::HealthOk`]).
+    progress: AtomicU64,
+    /// Test-only: health reads the device live, as before the health path was separated (the
+    /// negative control of the busy-is-not-hung test).
+    health_reads_device: bool,
 }
 
 /// Runs a worker over the given streams until the router closes them or sends `Shutdown`.
@@ -75,6 +85,9 @@ pub fn run(options: WorkerOptions, input: impl Read, output: impl Write + Send +
         faults: FaultState::new(ledger.clone()),
         ledger,
         options,
+        latest_memory: Mutex::new(MemoryReading::default()),
+        progress: AtomicU64::new(0),
+        health_reads_device: std::env::var_os("HEADROOM_TEST_HEALTH_READS_DEVICE").is_some(),
     });
     state.out.send(&FromWorker::Hello {
         protocol: PROTOCOL_VERSION,
@@ -87,7 +100,7 @@ pub fn run(options: WorkerOptions, input: impl Read, output: impl Write + Send +
         std::thread::spawn(move || loop {
             std::thread::sleep(Duration::from_millis(sampler.options.memory_sample_ms));
             sampler.faults.block_if_hung();
-            sampler.out.send(&FromWorker::MemorySample { memory: sampler.memory() });
+            sampler.out.send(&FromWorker::MemorySample { memory: sampler.read_memory() });
         });
     }
     let mut input = input;
@@ -113,13 +126,20 @@ pub fn run(options: WorkerOptions, input: impl Read, output: impl Write + Send +
             ToWorker::Health { nonce } => state.out.send(&FromWorker::HealthOk {
                 nonce,
                 active_requests: state.active.lock().unwrap().len() as u32,
-                memory: state.memory(),
+                memory: if state.health_reads_device { state.read_memory() } else { state.latest_memory.lock().unwrap().clone() },
+                progress: state.progress.load(Ordering::SeqCst),
             }),
             ToWorker::Probe { canary_bytes } => {
                 let state = state.clone();
                 std::thread::spawn(move || state.probe(canary_bytes));
             }
-            ToWorker::Fault { fault } => state.set_fault(fault),
+            ToWorker::Fault { fault } => {
+                state.set_fault(fault);
+                // A competing workload changes the reading. Faults exist on the sim device only,
+                // whose ledger is read without waiting for the (simulated) device.
+                let reading = state.memory();
+                *state.latest_memory.lock().unwrap() = reading;
+            }
             ToWorker::Shutdown => return 0,
         }
     }
@@ -170,7 +190,7 @@ impl State {
             context_tokens: context as u32,
             max_concurrency: self.options.max_concurrency,
             load_ms: started.elapsed().as_secs_f64() * 1000.0,
-            memory: self.memory(),
+            memory: self.read_memory(),
         });
         tracing::info!(device = %self.options.device.label(), hash = %loaded.bundle.short_hash(), "model loaded");
     }
@@ -190,10 +210,7 @@ impl State {
                     // under the load timeout, so the first request and the breaker's restore
                     // probe do not wait for the compiler.
                     let started = Instant::now();
-                    let mut prompt = bundle.encode("And it came to pass", true)?;
-                    prompt.resize(prompt.len().max(8), 0);
-                    let warm_up = GenerateRequest::new(prompt, 2, Default::default());
-                    headroom_model::generate(&model, bundle, &warm_up, &CancelToken::new(), |_| {})?;
+                    headroom_model::generate(&model, bundle, &warm_up_request(bundle)?, &CancelToken::new(), |_| {})?;
                     tracing::info!(ms = started.elapsed().as_millis() as u64, "CUDA kernels warmed up");
                     Ok(Engine::Cuda(model, device))
                 }
@@ -238,6 +255,16 @@ impl State {
             return self.failed(None, FailureKind::Invalid, message);
         }
         self.out.send(&FromWorker::FaultSet { fault });
+    }
+
+    /// Reads the device's memory now (it may wait for the device) and keeps it for health.
+    fn read_memory(&self) -> MemoryReading {
+        let reading = match self.options.device {
+            DeviceKind::Sim => self.faults.with_device(|| self.memory()),
+            _ => self.memory(),
+        };
+        *self.latest_memory.lock().unwrap() = reading.clone();
+        reading
     }
 
     fn memory(&self) -> MemoryReading {
@@ -324,6 +351,7 @@ impl State {
             if device_fault {
                 state.exit_after_device_fault();
             }
+            state.read_memory();
         });
     }
 
@@ -331,7 +359,14 @@ impl State {
     /// sent once its slot is released, and whether the device faulted.
     fn run_job(&self, loaded: &Loaded, job: GenerateJob, cancel: &CancelToken) -> (FromWorker, bool) {
         let id = job.request_id.as_str();
-        let request = &job.request;
+        // A fallback model tokenizes the client's prompt itself (unless a test switched that
+        // off, as the negative control of the fallback-tokenizer test).
+        let own = match loaded.bundle.own_request(&job.request) {
+            Ok(_) if std::env::var_os("HEADROOM_TEST_IGNORE_PROMPT_SOURCE").is_some() => None,
+            Ok(own) => own,
+            Err(e) => return (failure(Some(id), FailureKind::Invalid, e.to_string()), false),
+        };
+        let request = own.as_ref().unwrap_or(&job.request);
         let context = self.context_limit(&loaded.bundle);
         if let Err(e) = headroom_model::generate::check_context(request.prompt_tokens.len(), request.max_tokens, context) {
             let message = if context < loaded.bundle.config.max_position_embeddings {
@@ -360,6 +395,13 @@ impl State {
             }
             None => None,
         };
+        if self.options.device == DeviceKind::Sim {
+            // A compilation pending (fault) holds the device now; otherwise wait for the device
+            // if another request's compilation holds it.
+            self.faults.compile_if_pending();
+            self.faults.with_device(|| ());
+            self.read_memory();
+        }
         let outcome = catch_unwind(AssertUnwindSafe(|| match &loaded.engine {
             Engine::Cpu(model) => self.stream(model, loaded, id, request, cancel),
             #[cfg(feature = "cuda")]
@@ -388,6 +430,7 @@ impl State {
             Ok(s) => s,
             Err(e) => return failure(Some(id), FailureKind::Invalid, e.to_string()),
         };
+        self.progress.fetch_add(1, Ordering::SeqCst);
         let mut oom_after = self.faults.take_oom_after_tokens();
         let decode_started = Instant::now();
         let mut index = session.generated().len() as u32;
@@ -399,6 +442,7 @@ impl State {
                 Err(e) => return failure(Some(id), FailureKind::Internal, e.to_string()),
             };
             let Some((token, text)) = next else { break };
+            self.progress.fetch_add(1, Ordering::SeqCst);
             let eos = session.finished().is_some() && session.generated().last() != Some(&token);
             self.faults.slow_down(step_started.elapsed());
             if let Some(n) = oom_after.as_mut() {
@@ -458,7 +502,7 @@ impl State {
         let result = self.try_probe(canary_bytes);
         let probe_ms = started.elapsed().as_secs_f64() * 1000.0;
         let (ok, message) = match result {
-            Ok(()) => (true, format!("canary of {} held and one token generated", headroom_memory::footprint::human_bytes(canary_bytes))),
+            Ok(()) => (true, format!("canary of {} held and a two-token generation ran", headroom_memory::footprint::human_bytes(canary_bytes))),
             Err(m) => (false, m),
         };
         self.out.send(&FromWorker::ProbeResult { ok, message, probe_ms });
@@ -475,9 +519,9 @@ impl State {
             }
             None => None,
         };
-        let prompt = loaded.bundle.encode("probe", true).map_err(|e| e.to_string())?;
-        let prompt = if prompt.is_empty() { vec![0] } else { prompt };
-        let request = GenerateRequest::new(prompt, 1, Default::default());
+        // The warm-up's shapes: compiled at load, so the probe never waits for the compiler
+        // (on a cold kernel cache a new shape took longer than the probe's timeout).
+        let request = warm_up_request(&loaded.bundle).map_err(|e| e.to_string())?;
         let cancel = CancelToken::new();
         let outcome = catch_unwind(AssertUnwindSafe(|| match &loaded.engine {
             Engine::Cpu(model) => {
@@ -510,6 +554,13 @@ impl State {
         tracing::error!(device = %self.options.device.label(), "device fault: exiting so the router restarts a clean worker");
         std::process::exit(DEVICE_FAULT_EXIT_CODE);
     }
+}
+
+/// The generation a CUDA worker compiles its kernels with at load, and the breaker's probe runs.
+fn warm_up_request(bundle: &ModelBundle) -> headroom_model::Result<GenerateRequest> {
+    let mut prompt = bundle.encode("And it came to pass", true)?;
+    prompt.resize(prompt.len().max(8), 0);
+    Ok(GenerateRequest::new(prompt, 2, Default::default()))
 }
 
 fn failure(request_id: Option<&str>, kind: FailureKind, message: String) -> FromWorker {

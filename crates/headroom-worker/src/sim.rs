@@ -16,12 +16,16 @@ struct Faults {
     hung: bool,
     slowdown: f64,
     competing: Option<Reservation>,
+    compile_ms: Option<u64>,
 }
 
 pub struct FaultState {
     faults: Mutex<Faults>,
     hang: Condvar,
     ledger: Option<Ledger>,
+    /// The simulated device: held while a (simulated) compilation runs, as cubecl holds its
+    /// device client, and taken by every device query.
+    device: Mutex<()>,
 }
 
 pub enum TokenVerdict {
@@ -35,6 +39,7 @@ impl FaultState {
             faults: Mutex::new(Faults { slowdown: 1.0, ..Default::default() }),
             hang: Condvar::new(),
             ledger,
+            device: Mutex::new(()),
         }
     }
 
@@ -55,6 +60,7 @@ impl FaultState {
                 }
                 f.slowdown = factor;
             }
+            Fault::Compile { ms } => f.compile_ms = Some(ms),
             Fault::Compete { mib } => {
                 // Replace, not add: the knob says how much the other program holds now.
                 f.competing = None;
@@ -78,6 +84,20 @@ impl FaultState {
 
     pub fn take_oom_after_tokens(&self) -> Option<u32> {
         self.lock().oom_after_tokens.take()
+    }
+
+    /// A pending simulated compilation: holds the device for its time (once).
+    pub fn compile_if_pending(&self) {
+        let Some(ms) = self.lock().compile_ms.take() else { return };
+        let _device = self.device.lock().unwrap_or_else(|p| p.into_inner());
+        tracing::info!(ms, "simulated kernel compilation holds the device");
+        std::thread::sleep(Duration::from_millis(ms));
+    }
+
+    /// Waits for the device (a query made while a compilation holds it waits).
+    pub fn with_device<T>(&self, f: impl FnOnce() -> T) -> T {
+        let _device = self.device.lock().unwrap_or_else(|p| p.into_inner());
+        f()
     }
 
     pub fn competing_bytes(&self) -> u64 {
