@@ -32,8 +32,15 @@ step "python: the openai package against headroom serve (chat, stream, stop, see
 step "schemathesis: generated requests against /openapi.json (no 5xx, no panic)"
 ./scripts/schemathesis.sh
 
-step "pressure: headroom pressure --profile ci on the sim GPU (OOMs, kill -9, cancels, shrinking VRAM, agent; the exit code enforces the pass criteria)"
+step "pressure: headroom pressure --profile ci on the sim GPU (OOMs and kill -9 at full load, cancels, shrinking VRAM, agent; the exit code enforces the pass criteria)"
 ./target/debug/headroom pressure --profile ci --gpu sim --out target/pressure-ci
+
+step "pressure negative control: with idempotency switched off the agent must see duplicate side effects and the run must fail"
+if ./target/debug/headroom pressure --profile ci --gpu sim --control idempotency-off --out target/pressure-control 2>&1 | tee target/pressure-control.log; then
+  echo "the negative control passed: the duplicate criterion cannot fail"
+  exit 1
+fi
+grep -q "pressure run failed: zero duplicate side effects" target/pressure-control.log
 
 step "web UI: unit tests (vitest) and build"
 npm --prefix ui test

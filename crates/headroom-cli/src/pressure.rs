@@ -53,6 +53,18 @@ pub struct PressureArgs {
     /// A Hugging Face model folder, or `default` for the embedded demo model.
     #[arg(long, default_value = "default")]
     pub model: String,
+    /// Run a negative control instead: the agent scenario against a server with a fixed
+    /// defect switched back on. The run must report the defect and fail.
+    #[arg(long, value_enum)]
+    pub control: Option<NegativeControl>,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NegativeControl {
+    /// The server ignores Idempotency-Key: an agent's retry after a lost response runs the
+    /// request again and delivers a second tool call.
+    IdempotencyOff,
 }
 
 /// How much traffic a profile sends.
@@ -60,18 +72,49 @@ pub struct PressureArgs {
 struct Scale {
     per_scenario: usize,
     concurrent: usize,
+    /// Requests sent for each fault at full load: the GPU's slots full, the rest queued.
+    full_load: usize,
     max_tokens: u32,
     long_prompt_tokens: usize,
     resets: usize,
     squeeze_steps: usize,
     agent_tasks: usize,
+    /// Pass thresholds: the share of accepted requests that completed, the share of CPU runs
+    /// whose greedy text matches the GPU's (same bundle), and the p95 latency of any scenario.
+    min_success_percent: f64,
+    min_identical_percent: f64,
+    max_p95_ms: f64,
 }
 
 impl Profile {
     fn scale(self) -> Scale {
         match self {
-            Profile::Ci => Scale { per_scenario: 3, concurrent: 6, max_tokens: 16, long_prompt_tokens: 600, resets: 1, squeeze_steps: 4, agent_tasks: 4 },
-            Profile::Full => Scale { per_scenario: 12, concurrent: 24, max_tokens: 48, long_prompt_tokens: 900, resets: 3, squeeze_steps: 6, agent_tasks: 12 },
+            Profile::Ci => Scale {
+                per_scenario: 3,
+                concurrent: 6,
+                full_load: 8,
+                max_tokens: 16,
+                long_prompt_tokens: 600,
+                resets: 1,
+                squeeze_steps: 4,
+                agent_tasks: 5,
+                min_success_percent: 100.0,
+                min_identical_percent: 95.0,
+                max_p95_ms: 60_000.0,
+            },
+            Profile::Full => Scale {
+                per_scenario: 12,
+                concurrent: 24,
+                full_load: 16,
+                max_tokens: 48,
+                long_prompt_tokens: 900,
+                resets: 3,
+                squeeze_steps: 6,
+                agent_tasks: 12,
+                min_success_percent: 100.0,
+                min_identical_percent: 95.0,
+                max_p95_ms: 120_000.0,
+            },
         }
     }
 }
@@ -106,7 +149,7 @@ struct Server {
 }
 
 impl Server {
-    async fn start(model_dir: &Path, gpu: PressureGpu, sizing: Option<&Sizing>, dir: &Path) -> Result<Self> {
+    async fn start(model_dir: &Path, gpu: PressureGpu, sizing: Option<&Sizing>, dir: &Path, env: &[(&str, &str)]) -> Result<Self> {
         std::fs::create_dir_all(dir)?;
         let config = dir.join("headroom.toml");
         // Short queue waits and a small canary keep a CI run fast; everything else is default.
@@ -128,6 +171,7 @@ impl Server {
             }
         }
         cmd.env_remove("HEADROOM_CONFIG").env_remove("HEADROOM_PORT").env_remove("HEADROOM_API_KEY");
+        cmd.envs(env.iter().copied());
         cmd.stdout(Stdio::piped()).stderr(log).kill_on_drop(true);
         let mut child = cmd.spawn().context("cannot start headroom serve")?;
         let stdout = child.stdout.take().context("no stdout")?;
@@ -168,6 +212,21 @@ impl Server {
         let s = self.status().await?;
         let gpu = s["workers"].as_array().and_then(|w| w.iter().find(|w| w["kind"] == "gpu")).cloned().unwrap_or(Value::Null);
         Ok((gpu["pid"].as_u64().map(|p| p as u32), gpu["state"] == "ready" && s["breaker"] == "closed"))
+    }
+
+    /// Kills the GPU worker with SIGKILL and waits until the router has seen it die (until
+    /// then its status still shows it ready); returns its pid.
+    async fn kill_gpu_worker(&self) -> Result<u32> {
+        let pid = self.gpu_worker().await?.0.context("no GPU worker to kill")?;
+        send_signal(pid, "KILL")?;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.gpu_worker().await?.0 == Some(pid) {
+            if Instant::now() > deadline {
+                bail!("the router did not notice the GPU worker {pid} die within 10 s");
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Ok(pid)
     }
 
     /// Admission reads the GPU worker's memory samples: waits until one shows the competitor.
@@ -617,6 +676,38 @@ async fn run_all(server: &Server, clock: &Clock, shots: Vec<Shot>, parallel: usi
     results
 }
 
+/// Sends `shots` all at once and fires a fault while the GPU's slots are full and requests
+/// wait behind them: at least one request running on the GPU and at least one waiting for a
+/// GPU slot. Returns every request's record and when the fault fired.
+async fn at_full_load<F, Fut>(server: &Server, clock: &Clock, timeline: &SharedTimeline, label: String, shots: Vec<Shot>, fire: F) -> Result<(Vec<Record>, f64)>
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = Result<()>>,
+{
+    let n = shots.len();
+    let sending = run_all(server, clock, shots, n);
+    let firing = async {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let gpu = loop {
+            let s = server.status().await?;
+            let gpu = s["queues"].as_array().into_iter().flatten().find(|q| q["device"] == "gpu").cloned().unwrap_or(Value::Null);
+            if gpu["running"].as_u64().unwrap_or(0) >= 1 && gpu["waiting"].as_u64().unwrap_or(0) >= 1 {
+                break gpu;
+            }
+            if Instant::now() > deadline {
+                bail!("the GPU's slots never filled with requests queued behind them within 30 s ({gpu})");
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        mark(timeline, clock, format!("{label}: {} running and {} waiting on the GPU", gpu["running"], gpu["waiting"]));
+        let at = clock.ms();
+        fire().await?;
+        Ok::<_, anyhow::Error>(at)
+    };
+    let (records, fired_at) = tokio::join!(sending, firing);
+    Ok((records, fired_at?))
+}
+
 /// Waits until a queue shows at least `running` requests running on `device` (gpu or cpu).
 async fn wait_running(server: &Server, device: &str, running: u64, timeout: Duration) -> Result<()> {
     let deadline = Instant::now() + timeout;
@@ -799,6 +890,9 @@ pub fn pressure(args: PressureArgs) -> Result<()> {
     std::fs::create_dir_all(&args.out).with_context(|| format!("cannot create {}; pass --out", args.out.display()))?;
     let out = args.out.canonicalize()?;
     let runtime = tokio::runtime::Runtime::new()?;
+    if let Some(control) = args.control {
+        return negative_control(&runtime, &args, control, &out);
+    }
     let report = runtime.block_on(run(&args, &model_dir, &bundle, &out))?;
     std::fs::write(out.join("report.json"), serde_json::to_string_pretty(&report)?)?;
     std::fs::write(out.join("report.html"), pressure_report::html(&report))?;
@@ -808,6 +902,27 @@ pub fn pressure(args: PressureArgs) -> Result<()> {
         let failed: Vec<&str> = report.criteria.iter().filter(|c| !c.passed).map(|c| c.name.as_str()).collect();
         bail!("pressure run failed: {}", failed.join(", "));
     }
+    Ok(())
+}
+
+/// The agent scenario against a server with a fixed defect switched back on: it must report
+/// the defect and fail (the exit code says so), or the criterion it guards could not fail.
+fn negative_control(runtime: &tokio::runtime::Runtime, args: &PressureArgs, control: NegativeControl, out: &Path) -> Result<()> {
+    let clock = Clock(Instant::now());
+    let timeline: SharedTimeline = Arc::default();
+    let env = match control {
+        NegativeControl::IdempotencyOff => [("HEADROOM_TEST_IGNORE_IDEMPOTENCY_KEY", "1")],
+    };
+    let agent = runtime.block_on(run_agent(args.gpu, &out.join("agent"), &clock, &timeline, args.profile.scale().agent_tasks, &env))?;
+    std::fs::write(out.join("control.json"), serde_json::to_string_pretty(&json!({"control": control, "agent": agent}))?)?;
+    println!(
+        "negative control {control:?}: {} duplicate side effects, {} lost calls, {} exactly once over {} agent tasks ({} retries)",
+        agent.duplicate_side_effects, agent.lost_calls, agent.exactly_once, agent.tasks, agent.retries
+    );
+    if agent.duplicate_side_effects > 0 {
+        bail!("pressure run failed: zero duplicate side effects ({} duplicates with {control:?}, as a negative control must)", agent.duplicate_side_effects);
+    }
+    println!("the negative control found no duplicates: the duplicate criterion cannot fail");
     Ok(())
 }
 
@@ -838,7 +953,7 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
     let long_tokens = chat_len(&long_prompts[0])?;
     let sizing = if sim { Some(plan_sizing(bundle, short_tokens, long_tokens, scale.max_tokens)?) } else { None };
 
-    let server = Server::start(model_dir, args.gpu, sizing.as_ref(), &out.join("server")).await?;
+    let server = Server::start(model_dir, args.gpu, sizing.as_ref(), &out.join("server"), &[]).await?;
     let server_pid = server.child.id().context("the server exited")?;
     let timeline: SharedTimeline = Arc::default();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -889,52 +1004,37 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
         mark(&timeline, &clock, format!("long prompts → CPU ({mode})"));
         records.extend(run_all(&server, &clock, (0..n).map(|i| long("long_prompts", "redirect_before_admission", i, stream)).collect(), 2).await);
 
-        if sim {
-            let mut fault_at = 0.0;
-            for i in 0..n {
-                // Three OOMs open the breaker: the next fault waits for the restored worker.
+        // Faults at full load: each kind fires with the GPU's slots full and requests queued
+        // behind them (a request waiting for a GPU slot means every slot is taken).
+        let faults: &[(&str, &str)] = if sim {
+            &[("oom_before_generation", "oom_before_generation"), ("oom_mid_generation", "oom_mid_generation"), ("driver_reset", "kill_9_gpu_worker")]
+        } else {
+            &[("driver_reset", "kill_9_gpu_worker")]
+        };
+        for &(scenario, fault) in faults {
+            for _ in 0..scale.resets {
                 server.wait_gpu_restored(&clock, Duration::from_secs(60)).await?;
-                mark(&timeline, &clock, "OOM before generation");
-                fault_at = clock.ms();
-                server.fault(json!({"fault": "oom_next_allocation"})).await?;
-                records.push(send(&server, &clock, short("oom_before_generation", "oom_before_generation", i, stream), None).await);
-            }
-            recoveries.push(restore_after(&server, &clock, "oom_before_generation", stream, fault_at).await);
-            for i in 0..n {
-                server.wait_gpu_restored(&clock, Duration::from_secs(60)).await?;
-                mark(&timeline, &clock, "OOM mid-generation");
-                fault_at = clock.ms();
-                server.fault(json!({"fault": "oom_after_tokens", "tokens": max_tokens / 2})).await?;
-                records.push(send(&server, &clock, short("oom_mid_generation", "oom_mid_generation", i, stream), None).await);
-            }
-            recoveries.push(restore_after(&server, &clock, "oom_mid_generation", stream, fault_at).await);
-        }
-
-        // Driver reset: kill -9 of the GPU worker while it generates.
-        for i in 0..scale.resets {
-            if sim {
-                // Slow the simulated GPU so the kill lands mid-generation.
-                server.fault(json!({"fault": "slowdown", "factor": 4.0})).await?;
-            }
-            let (pid, _) = server.gpu_worker().await?;
-            let pid = pid.context("no GPU worker to reset")?;
-            let shot = short("driver_reset", "kill_9_gpu_worker", i, stream);
-            let sending = send(&server, &clock, shot, None);
-            let killing = async {
-                wait_running(&server, "gpu", 1, Duration::from_secs(30)).await?;
-                tokio::time::sleep(Duration::from_millis(60)).await;
-                mark(&timeline, &clock, format!("kill -9 GPU worker {pid}"));
-                let killed_at = clock.ms();
-                send_signal(pid, "KILL")?;
-                Ok::<_, anyhow::Error>(killed_at)
-            };
-            let (record, killed_at) = tokio::join!(sending, killing);
-            let killed_at = killed_at?;
-            records.push(record);
-            recoveries.push(restore_after(&server, &clock, "kill_9_gpu_worker", stream, killed_at).await);
-            if sim {
-                // A restarted sim worker gets the environment faults again: clear them.
-                server.fault(json!({"fault": "clear"})).await?;
+                if sim {
+                    // Slow the simulated GPU (~60 ms a token) so the burst is still running when
+                    // the fault lands.
+                    server.fault(json!({"fault": "slowdown", "factor": 40.0})).await?;
+                }
+                let burst: Vec<Shot> = (0..scale.full_load).map(|i| short(scenario, fault, i, stream)).collect();
+                let target = &server;
+                let fire = move || async move {
+                    match fault {
+                        "oom_before_generation" => target.fault(json!({"fault": "oom_next_allocation"})).await,
+                        "oom_mid_generation" => target.fault(json!({"fault": "oom_after_tokens", "tokens": max_tokens / 2})).await,
+                        _ => target.kill_gpu_worker().await.map(|_| ()),
+                    }
+                };
+                let (burst, fired_at) = at_full_load(&server, &clock, &timeline, format!("{fault} at full load ({mode})"), burst, fire).await?;
+                records.extend(burst);
+                recoveries.push(restore_after(&server, &clock, fault, stream, fired_at).await);
+                if sim {
+                    // A restarted sim worker gets the environment faults again: clear them.
+                    server.fault(json!({"fault": "clear"})).await?;
+                }
             }
         }
 
@@ -1023,7 +1123,7 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
     reconcile(&server, &mut records[..checks_at]).await;
 
     // An agent with a side-effecting mock tool, on a second server whose model always calls it.
-    let agent = run_agent(args.gpu, &out.join("agent"), &clock, &timeline, scale.agent_tasks).await?;
+    let agent = run_agent(args.gpu, &out.join("agent"), &clock, &timeline, scale.agent_tasks, &[]).await?;
 
     let _ = stop_tx.send(true);
     for w in watchers {
@@ -1059,6 +1159,11 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
     let lost: usize = records.iter().filter(|r| r.lost).count();
     let unmarked: usize = records.iter().filter(|r| r.degraded_unmarked()).count();
     let unrestored: Vec<String> = recoveries.iter().filter(|r| !r.restored).map(|r| format!("{} (stream {})", r.fault, r.stream)).collect();
+    // Accepted and not cancelled on purpose: each must complete.
+    let owed: Vec<&Record> = records.iter().filter(|r| r.accepted && !r.intended_cancel).collect();
+    let success_percent = if owed.is_empty() { 100.0 } else { 100.0 * owed.iter().filter(|r| r.completed).count() as f64 / owed.len() as f64 };
+    let worst_p95 = scenarios.iter().map(|s| s.p95_latency_ms).filter(|v| v.is_finite()).fold(0.0, f64::max);
+    let at_full_load = records.iter().filter(|r| matches!(r.scenario.as_str(), "oom_before_generation" | "oom_mid_generation" | "driver_reset")).count();
     let criteria = vec![
         Criterion { name: "zero accepted requests lost".into(), passed: lost == 0 && agent.lost_calls == 0, detail: format!("{lost} lost of {} accepted; agent calls lost {}", records.iter().filter(|r| r.accepted).count(), agent.lost_calls) },
         Criterion { name: "zero duplicate side effects".into(), passed: agent.duplicate_side_effects == 0, detail: format!("{} duplicates over {} agent tasks ({} retries)", agent.duplicate_side_effects, agent.tasks, agent.retries) },
@@ -1072,6 +1177,17 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
             },
         },
         Criterion { name: "every degraded response marked".into(), passed: unmarked == 0, detail: format!("{unmarked} unmarked of {} degraded", records.iter().filter(|r| r.completed && r.degraded).count()) },
+        Criterion {
+            name: "success rate".into(),
+            passed: success_percent >= scale.min_success_percent,
+            detail: format!("{success_percent:.1}% of {} accepted requests completed (threshold {}%); {at_full_load} of them sent into faults fired at full load", owed.len(), scale.min_success_percent),
+        },
+        Criterion {
+            name: "token equivalence".into(),
+            passed: equivalence.compared > 0 && equivalence.identical_percent >= scale.min_identical_percent,
+            detail: format!("{} of {} CPU runs identical to the GPU's greedy text (threshold {}%)", equivalence.identical, equivalence.compared, scale.min_identical_percent),
+        },
+        Criterion { name: "p95 latency".into(), passed: worst_p95 <= scale.max_p95_ms, detail: format!("worst scenario p95 {worst_p95:.0} ms (threshold {:.0} ms)", scale.max_p95_ms) },
         Criterion { name: "GPU worker restored after each fault".into(), passed: unrestored.is_empty() && !recoveries.is_empty(), detail: if unrestored.is_empty() { format!("{} faults, all restored", recoveries.len()) } else { format!("not restored after {}", unrestored.join(", ")) } },
     ];
     let passed = criteria.iter().all(|c| c.passed);
@@ -1118,17 +1234,19 @@ async fn restore_after(server: &Server, clock: &Clock, fault: &str, stream: bool
     Recovery { fault: fault.into(), stream, restored: waited.is_ok(), recovery_ms: waited.ok().map(|_| clock.ms() - since_ms) }
 }
 
-/// The agent: for each task it asks the model what to do (with an Idempotency-Key), runs every
-/// tool call it is handed once, and on any error retries with the same key. Faults hit the
-/// GPU worker meanwhile. A tool that ran twice for one task is a duplicate side effect.
-async fn run_agent(gpu: PressureGpu, dir: &Path, clock: &Clock, timeline: &SharedTimeline, tasks: usize) -> Result<AgentSummary> {
+/// The agent: for each task it asks the model what to do (with an Idempotency-Key) and runs
+/// each tool call the moment it is delivered, once per call id (as agent frameworks do); on
+/// any error, or a response lost after a call was delivered, it retries with the same key.
+/// Faults hit the GPU worker meanwhile, including a kill -9 right after a call was delivered.
+/// Each task has one logical call: a second call id executed for it is a duplicate side effect.
+async fn run_agent(gpu: PressureGpu, dir: &Path, clock: &Clock, timeline: &SharedTimeline, tasks: usize, server_env: &[(&str, &str)]) -> Result<AgentSummary> {
     let model_dir = dir.join("tool-model");
     headroom_model::fixture::write_scripted_folder(&model_dir, &["<tool_call>", r#"{"name":"append_ledger","arguments":{"entry":"payment"}}"#, "</tool_call>"])?;
-    let server = Server::start(&model_dir, gpu, None, dir).await?;
+    let server = Server::start(&model_dir, gpu, None, dir, server_env).await?;
     let tools = json!([{"type": "function", "function": {"name": "append_ledger", "description": "Append an entry to the ledger (a side effect)", "parameters": {"type": "object", "properties": {"entry": {"type": "string"}}, "required": ["entry"]}}}]);
-    let mut executed: BTreeMap<String, usize> = BTreeMap::new();
+    let mut executed: BTreeMap<String, std::collections::BTreeSet<String>> = BTreeMap::new();
     let mut summary = AgentSummary { tasks: tasks * 2, ..Default::default() };
-    let faults = ["none", "kill_9_gpu_worker", "oom_before_generation", "response_lost"];
+    let faults = ["none", "lost_after_call", "kill_9_gpu_worker", "oom_before_generation", "response_lost"];
     for stream in [false, true] {
         for t in 0..tasks {
             let task = format!("task-{}-{t}", if stream { "s" } else { "p" });
@@ -1144,36 +1262,17 @@ async fn run_agent(gpu: PressureGpu, dir: &Path, clock: &Clock, timeline: &Share
                 }
             }
             mark(timeline, clock, format!("agent {task}: {fault}"));
-            let mut attempt = 0;
-            let (request_id, calls) = loop {
-                attempt += 1;
-                if attempt > 6 {
-                    break (None, Vec::new());
-                }
+            let mut request_id = None;
+            for attempt in 1..=6 {
                 let request = server.http.post(format!("{}/v1/chat/completions", server.base)).header("Idempotency-Key", &key).json(&body).send();
                 let killer = async {
-                    if fault == "kill_9_gpu_worker" && attempt == 1 {
-                        if wait_running(&server, "gpu", 1, Duration::from_secs(20)).await.is_ok() {
-                            if let Ok((Some(pid), _)) = server.gpu_worker().await {
-                                mark(timeline, clock, format!("agent: kill -9 GPU worker {pid}"));
-                                let _ = send_signal(pid, "KILL");
-                            }
-                        }
+                    if fault == "kill_9_gpu_worker" && attempt == 1 && wait_running(&server, "gpu", 1, Duration::from_secs(20)).await.is_ok() {
+                        kill_gpu_worker(&server, timeline, clock, "agent: kill -9 GPU worker mid-generation").await;
                     }
                 };
                 let (response, ()) = tokio::join!(request, killer);
-                let answer = match response {
-                    Ok(r) if r.status().is_success() => {
-                        let id = r.headers().get("x-request-id").and_then(|v| v.to_str().ok()).map(str::to_string);
-                        if stream {
-                            let text = r.text().await.unwrap_or_default();
-                            (id, stream_tool_calls(&text))
-                        } else {
-                            let v: Value = r.json().await.unwrap_or(Value::Null);
-                            let calls = v["choices"][0]["message"]["tool_calls"].as_array().cloned().unwrap_or_default();
-                            (id, calls.iter().filter_map(|c| c["id"].as_str().map(str::to_string)).collect())
-                        }
-                    }
+                let response = match response {
+                    Ok(r) if r.status().is_success() => r,
                     Ok(r) => {
                         let wait = r.headers().get("retry-after").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok()).unwrap_or(1);
                         summary.retries += 1;
@@ -1186,15 +1285,31 @@ async fn run_agent(gpu: PressureGpu, dir: &Path, clock: &Clock, timeline: &Share
                         continue;
                     }
                 };
+                request_id = response.headers().get("x-request-id").and_then(|v| v.to_str().ok()).map(str::to_string);
                 if fault == "response_lost" && attempt == 1 {
-                    // The answer never reached the agent (a dropped connection): it retries.
+                    // The server sent the whole answer, but it never reached the agent (a proxy
+                    // dropped it): the agent retries.
+                    let _ = response.bytes().await;
                     summary.retries += 1;
                     continue;
                 }
-                break answer;
-            };
-            for _call in &calls {
-                *executed.entry(task.clone()).or_default() += 1;
+                let lose_after_call = fault == "lost_after_call" && attempt == 1;
+                let ran = executed.entry(task.clone()).or_default();
+                let complete = deliver_tool_calls(response, stream, lose_after_call, |call_id| {
+                    ran.insert(call_id);
+                })
+                .await;
+                if lose_after_call {
+                    // The connection dropped after the call ran, and the GPU worker dies: the
+                    // agent retries with its key and must not be handed a new call.
+                    kill_gpu_worker(&server, timeline, clock, "agent: kill -9 GPU worker after a tool call was delivered").await;
+                    summary.retries += 1;
+                    continue;
+                }
+                if complete {
+                    break;
+                }
+                summary.retries += 1;
             }
             if gpu == PressureGpu::Sim && fault != "none" {
                 let _ = server.wait_gpu_restored(clock, Duration::from_secs(60)).await;
@@ -1211,7 +1326,7 @@ async fn run_agent(gpu: PressureGpu, dir: &Path, clock: &Clock, timeline: &Share
     }
     for t in 0..tasks {
         for mode in ["p", "s"] {
-            match executed.get(&format!("task-{mode}-{t}")).copied().unwrap_or(0) {
+            match executed.get(&format!("task-{mode}-{t}")).map_or(0, |calls| calls.len()) {
                 0 => summary.lost_calls += 1,
                 1 => summary.exactly_once += 1,
                 n => summary.duplicate_side_effects += n - 1,
@@ -1220,6 +1335,50 @@ async fn run_agent(gpu: PressureGpu, dir: &Path, clock: &Clock, timeline: &Share
     }
     server.stop().await;
     Ok(summary)
+}
+
+/// Kills the GPU worker as a driver reset would (a no-op if none is running).
+async fn kill_gpu_worker(server: &Server, timeline: &SharedTimeline, clock: &Clock, label: &str) {
+    match server.kill_gpu_worker().await {
+        Ok(pid) => mark(timeline, clock, format!("{label} ({pid})")),
+        Err(e) => mark(timeline, clock, format!("{label}: not done: {e}")),
+    }
+}
+
+/// Reads a chat answer and hands each tool call id to `run` the moment it arrives (streams:
+/// chunk by chunk). With `hang_up_after_call`, stops reading right after the first call (the
+/// connection drops). Returns whether the answer arrived whole.
+async fn deliver_tool_calls(response: reqwest::Response, stream: bool, hang_up_after_call: bool, mut run: impl FnMut(String)) -> bool {
+    if !stream {
+        let Ok(v) = response.json::<Value>().await else { return false };
+        for id in v["choices"][0]["message"]["tool_calls"].as_array().into_iter().flatten().filter_map(|c| c["id"].as_str()) {
+            run(id.to_string());
+        }
+        return v["choices"][0]["finish_reason"].is_string();
+    }
+    let mut body = response.bytes_stream();
+    let mut buffer = Vec::new();
+    while let Some(Ok(piece)) = body.next().await {
+        buffer.extend_from_slice(&piece);
+        for data in complete_sse_data(&mut buffer) {
+            if data == "[DONE]" {
+                return true;
+            }
+            let chunk: Value = serde_json::from_str(&data).unwrap_or(Value::Null);
+            if chunk.get("error").is_some() {
+                return false;
+            }
+            let calls = stream_tool_calls(&format!("data: {data}\n\n"));
+            let delivered = !calls.is_empty();
+            for id in calls {
+                run(id);
+            }
+            if delivered && hang_up_after_call {
+                return false;
+            }
+        }
+    }
+    false
 }
 
 /// Open → closed spans of the breaker, in ms.
