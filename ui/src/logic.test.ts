@@ -60,6 +60,17 @@ describe("chat stream", () => {
     expect(r.finishReason).toBe("length");
   });
 
+  it("says when a failed-over reply waits for the CPU, and drops the text a fallback model restarts", () => {
+    let r = emptyReply();
+    r = applyChunk(r, { choices: [{ delta: { content: "In the" } }], headroom: { request_id: "req_2", device: "sim" } });
+    r = applyChunk(r, { choices: [], headroom: { notice: "waiting", queue: "cpu", ahead: 2, degraded: true, message: "sim failed: killed; waiting for the cpu worker (2 ahead)" } });
+    expect(r.notice).toBe("sim failed: killed; waiting for the cpu worker (2 ahead)");
+    expect(r.text).toBe("In the");
+    r = applyChunk(r, { choices: [{ delta: { content: "And" } }], headroom: { notice: "restart", from: "sim", to: "cpu", degraded: true, message: "cpu answers again from the start" } });
+    expect(r.text).toBe("And");
+    expect(r.device).toBe("cpu");
+  });
+
   it("says why a reply was sent to the CPU by admission", () => {
     const r = applyChunk(emptyReply(), { choices: [], headroom: { request_id: "x", device: "cpu", degraded: true, degraded_reason: "sent to the CPU: needs 7.5 MiB" } });
     expect(r.notice).toBe("sent to the CPU: needs 7.5 MiB");

@@ -125,9 +125,13 @@ export function applyChunk(reply: Reply, chunk: Json): Reply {
     if (h.request_id) next.requestId = h.request_id;
     if (h.device) next.device = h.device;
     if (h.degraded) next.degraded = true;
-    if (h.notice === "failover") {
+    if (h.notice === "failover" || h.notice === "restart") {
       next.notice = h.message ?? `continued on ${h.to}`;
       next.device = h.to ?? next.device;
+      // A fallback model answers again from the start: its text replaces what came before.
+      if (h.notice === "restart") next.text = "";
+    } else if (h.notice === "waiting") {
+      next.notice = h.message ?? `waiting for the ${h.queue} worker`;
     } else if (h.degraded && h.degraded_reason && !next.notice) {
       next.notice = h.degraded_reason;
     }
