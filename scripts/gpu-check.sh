@@ -4,9 +4,13 @@
 #   pack:  strips and compresses target/debug/headroom and headroom-bench (built with
 #          `cargo build -p headroom-cli -p headroom-bench --features headroom-bench/cuda`) and the
 #          shared libraries they need that a CUDA image may lack (OpenBLAS) into .device/.
+#          headroom-bench is optional (`load` does not need it).
 #   run [all|second]: generate (cuda vs cpu, greedy 64 tokens) and the engine bench with --cuda
 #          (skipped by `second`), `serve --gpu cuda` against a real VRAM competitor, then a fresh
 #          process reading the kernel cache the server filled.
+#   run load: faults at full load (scripts/gpu_load_check.py): a burst on a cold kernel cache,
+#          kill -9 of the GPU worker and a real competing allocation, each with the GPU's slots
+#          full and requests queued behind them.
 #          Everything lands in $OUT (log.txt, bench.json, serve.json).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +18,7 @@ cd "$(dirname "$0")/.."
 if [ "${1:-run}" = pack ]; then
     rm -rf .device && mkdir -p .device/lib .git/info
     for b in headroom headroom-bench; do
+        [ -f target/debug/$b ] || { echo "pack: no target/debug/$b, skipped"; continue; }
         strip -o .device/$b target/debug/$b && xz -T2 -6 .device/$b
     done
     for l in libopenblas.so.0 libgfortran.so.5 libquadmath.so.0; do
@@ -34,12 +39,15 @@ step setup
 # Python rather than xz/tar: a CUDA image always has python3.
 python3 - <<'PY'
 import lzma, shutil, tarfile
+import os
 for b in ("headroom", "headroom-bench"):
+    if not os.path.exists(f".device/{b}.xz"):
+        continue
     with lzma.open(f".device/{b}.xz") as src, open(f"/tmp/hr/{b}", "wb") as dst:
         shutil.copyfileobj(src, dst)
+    os.chmod(f"/tmp/hr/{b}", 0o755)
 tarfile.open(".device/lib.tar.xz").extractall("/tmp/hr")
 PY
-chmod +x /tmp/hr/headroom /tmp/hr/headroom-bench
 export PATH=/tmp/hr:$PATH
 nvrtc=$(ldconfig -p | awk '/libnvrtc\.so/{print $NF; exit}')
 [ -z "$nvrtc" ] && nvrtc=$(find /usr/local /opt -name 'libnvrtc.so*' 2>/dev/null | head -1)
@@ -49,6 +57,22 @@ echo "nvrtc: $nvrtc; CUDA_PATH=${CUDA_PATH:-unset}"
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
 export HEADROOM_DEFAULT_MODEL=$PWD/models/default
 prompt="And God said, Let there be light: and there was light."
+
+if [ "${2:-all}" = load ]; then
+step "faults at full load: serve --gpu cuda, cold kernel cache"
+mkdir -p /tmp/hr/load
+export HEADROOM_CACHE_DIR=/tmp/hr/load/cache
+printf '[memory]\nmax_queue_wait_ms = 5000\n\n[supervision]\nhealth_interval_ms = 500\n' > /tmp/hr/load/headroom.toml
+HEADROOM_LOG=warn,headroom_worker=info,headroom_router=info headroom serve --port 18081 --gpu cuda --config /tmp/hr/load/headroom.toml --data-dir /tmp/hr/load/data > /tmp/hr/load/out.log 2>&1 &
+server=$!
+for i in $(seq 300); do curl -sf localhost:18081/healthz >/dev/null && break; sleep 0.5; done
+timeout 420 python3 scripts/gpu_load_check.py http://127.0.0.1:18081 "$OUT/load.json"
+kill $server; wait $server
+sed 's/\x1b\[[0-9;]*m//g' /tmp/hr/load/out.log | grep -E "warmed|breaker|health|worker process|device fault|failover|model loaded|ERROR" | tail -40
+cp /tmp/hr/load/out.log "$OUT/serve-load.log" 2>/dev/null
+step done
+exit 0
+fi
 
 if [ "${2:-all}" = all ]; then
 step "generate: cuda vs cpu, greedy, 64 tokens"

@@ -10,29 +10,19 @@ Usage: gpu_serve_check.py BASE_URL OUT_JSON
 """
 import json
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 
 import torch
 
+from gpu_client import Service, fill_vram
+
 BASE, OUT = sys.argv[1], sys.argv[2]
-events = []
+service = Service(BASE)
+events = service.events
+status, wait_gpu_ready = service.status, service.wait_gpu_ready
 results = []
-
-
-def watch_events():
-    try:
-        with urllib.request.urlopen(f"{BASE}/v1/events", timeout=600) as stream:
-            for raw in stream:
-                line = raw.decode().strip()
-                if line.startswith("data:"):
-                    event = json.loads(line[5:])
-                    if event.get("event") not in ("memory", "queue"):
-                        events.append({"t": time.time(), **event})
-    except Exception as e:  # the server going away ends the watch
-        events.append({"t": time.time(), "event": "watch_ended", "error": str(e)})
 
 
 def chat(phase, prompt="And God said", max_tokens=48):
@@ -67,38 +57,7 @@ def save(report):
     json.dump(report, open(OUT, "w"), indent=1)
 
 
-def status():
-    with urllib.request.urlopen(f"{BASE}/v1/status", timeout=10) as r:
-        return json.loads(r.read())
-
-
-def wait_gpu_ready(limit_s=60):
-    deadline = time.time() + limit_s
-    while time.time() < deadline:
-        s = status()
-        gpu = next((w for w in s["workers"] if w["kind"] == "gpu"), {})
-        if gpu.get("state") == "ready" and s["breaker"] == "closed":
-            return True
-        time.sleep(0.25)
-    return False
-
-
-def fill_vram(leave_mib):
-    """Takes free VRAM in shrinking blocks until about `leave_mib` is left."""
-    blocks = []
-    for block_mib in (8192, 1024, 128, 16, 2):
-        while True:
-            free, _ = torch.cuda.mem_get_info()
-            if free // 2**20 < leave_mib + block_mib:
-                break
-            try:
-                blocks.append(torch.empty(block_mib * 2**20, dtype=torch.uint8, device="cuda"))
-            except torch.OutOfMemoryError:
-                break
-    return blocks
-
-
-threading.Thread(target=watch_events, daemon=True).start()
+service.watch_events()
 torch.cuda.init()
 started = time.time()
 report = {"gpu_ready_at_start": wait_gpu_ready(120), "gpu_ready_after_s": time.time() - started}
