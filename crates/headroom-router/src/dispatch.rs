@@ -754,8 +754,9 @@ impl Dispatcher {
         let request = &sub.run.request;
         let needed = request.prompt_tokens.len() + request.max_tokens;
         let gpu = s.config().gpu.is_some();
+        // A client that opted out of the CPU runs on the GPU only, without failover.
         if (gpu && !sub.allow.cpu) || self.has_defect(Defect::NoCpuLaneCheck) {
-            return Ok(()); // the client opted out of the CPU: GPU only, no failover
+            return Ok(());
         }
         let setup = s.cpu_setup();
         let worker = s.cpu_worker();
