@@ -1053,7 +1053,7 @@ impl Dispatcher {
         let max_wait = Duration::from_millis(sub.allow.max_wait_ms.unwrap_or(inner.memory.max_queue_wait_ms));
         loop {
             if self.gpu_budget().is_none() {
-                return match self.gpu_unavailable() {
+                return match inner.supervisor.gpu_unavailable() {
                     Some(why) => GpuWait::Leave { why, cpu_allowed: sub.allow.cpu },
                     // A healthy GPU without a memory reading yet: run without a grant.
                     None => GpuWait::Run(None),
@@ -1072,19 +1072,6 @@ impl Dispatcher {
                 _ = tokio::time::sleep(Duration::from_millis(20)) => {}
                 _ = cancel.cancelled() => return GpuWait::Cancelled,
             }
-        }
-    }
-
-    /// Why the GPU takes no requests now, if it does not.
-    fn gpu_unavailable(&self) -> Option<String> {
-        let s = &self.inner.supervisor;
-        let status = s.status();
-        if status.gpu_paused {
-            Some("the GPU is paused in settings".into())
-        } else if status.degraded || s.gpu_worker().is_none() {
-            Some(format!("the GPU is unavailable: {}", status.reason))
-        } else {
-            None
         }
     }
 

@@ -365,6 +365,15 @@ impl Supervisor {
         *self.inner.gpu_paused.borrow()
     }
 
+    /// Why the GPU takes no requests now (paused, breaker not closed, no worker), if it does not.
+    pub fn gpu_unavailable(&self) -> Option<String> {
+        if self.gpu_paused() {
+            return Some("the GPU is paused in settings".into());
+        }
+        let breaker = self.inner.breaker.lock().unwrap();
+        (!breaker.allows_requests() || self.gpu_worker().is_none()).then(|| format!("the GPU is unavailable: {}", breaker.reason()))
+    }
+
     /// Pauses the GPU (nothing new goes to it; its worker exits once its running requests end,
     /// freeing its VRAM) or resumes it (the worker starts again).
     pub fn set_gpu_paused(&self, paused: bool) {
@@ -689,14 +698,14 @@ impl Supervisor {
         if cancel.is_cancelled() {
             return Err(AttemptError::End(Error::Cancelled));
         }
-        let gpu_allowed = !self.gpu_paused() && self.inner.breaker.lock().unwrap().allows_requests();
+        let usable_gpu = || self.gpu_worker().filter(|_| self.gpu_unavailable().is_none());
         let worker = match target {
             Target::Cpu => None,
-            Target::Auto => self.gpu_worker().filter(|_| gpu_allowed),
-            Target::Gpu => match self.gpu_worker().filter(|_| gpu_allowed) {
+            Target::Auto => usable_gpu(),
+            Target::Gpu => match usable_gpu() {
                 Some(w) => Some(w),
                 None => {
-                    let why = if self.gpu_paused() { "the GPU is paused in settings".to_string() } else { format!("the GPU is unavailable: {}", self.status().reason) };
+                    let why = self.gpu_unavailable().unwrap_or_else(|| "the GPU is unavailable: its worker is restarting".into());
                     return Err(self.failed_over(run, progress, "gpu".into(), why));
                 }
             },
