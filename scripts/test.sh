@@ -22,8 +22,15 @@ fi
 export PATH="$HOME/.cargo/bin:$PATH"
 command -v tauri-driver >/dev/null 2>&1 || cargo install tauri-driver --version 2.1.0 --locked
 
-step "rust: unit and integration tests (default members, no CUDA needed)"
-cargo test
+step "web UI: unit tests (vitest) and build"
+npm --prefix ui test
+npm --prefix ui run build
+
+# One cargo invocation builds every crate but the candle bench, the desktop app included (it embeds
+# ui/dist, built above): `headroom-workspace-hack` unifies the dependencies' features, and the
+# later desktop build selects the same packages, so no dependency is compiled twice.
+step "rust: unit and integration tests of every crate, the desktop app's included (no CUDA needed; the desktop test checks its committed IPC bindings)"
+cargo test --workspace --exclude headroom-bench
 
 # `cargo test` built target/debug/headroom (the integration tests run it); the suites below use it.
 step "python: the openai package against headroom serve (chat, stream, stop, seed, idempotency, cancel, capacity, degraded, kill -9)"
@@ -42,16 +49,11 @@ if ./target/debug/headroom pressure --profile ci --gpu sim --control idempotency
 fi
 grep -q "pressure run failed: zero duplicate side effects" target/pressure-control.log
 
-step "web UI: unit tests (vitest) and build"
-npm --prefix ui test
-npm --prefix ui run build
 
 step "web UI end-to-end: Debian's Chromium (playwright-core) against headroom serve --gpu sim; screenshots in docs/screenshots"
 npm --prefix ui run e2e
 
-step "desktop: src-tauri builds (outside default-members) and its committed IPC bindings are current"
-cargo test -p headroom-desktop
-# The Tauri CLI (npm, in ui/): builds the UI, then the app in the dev profile, no bundle.
+step "desktop: the app's binary through the Tauri CLI (the UI, then the app in the dev profile, no bundle)"
 npm run tauri:build
 
 step "desktop end-to-end: the app's real window under Xvfb through tauri-driver and WebKitWebDriver (chat, GPU paused and resumed from Settings, injected OOMs, degraded notice); screenshot in docs/screenshots"

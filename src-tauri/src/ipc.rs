@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use axum::body::Body;
 use futures_util::StreamExt;
-use headroom_cli::serve::Running;
+use headroom_service::Running;
 use serde::{Deserialize, Serialize};
 use specta::Type;
 use tauri::ipc::Channel;

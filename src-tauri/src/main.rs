@@ -14,21 +14,40 @@ mod tray;
 use std::ffi::OsString;
 
 use clap::Parser;
-use headroom_cli::serve::ServeArgs;
+use headroom_service::{ServeOptions, WorkerArgs};
 use tauri::Manager;
 
 #[derive(Parser)]
 #[command(name = "headroom-desktop", about = "Headroom's desktop app (the server's options apply)")]
 struct DesktopArgs {
     #[command(flatten)]
-    serve: ServeArgs,
+    serve: ServeOptions,
+}
+
+/// `headroom-desktop worker ...`, as the supervisor spawns it.
+#[derive(Parser)]
+struct DesktopWorker {
+    #[command(subcommand)]
+    command: WorkerCommand,
+}
+
+#[derive(clap::Subcommand)]
+enum WorkerCommand {
+    Worker(WorkerArgs),
 }
 
 fn main() {
     let args: Vec<OsString> = std::env::args_os().collect();
     match args.get(1).and_then(|a| a.to_str()) {
-        // The supervisor's workers, and any other `headroom` command, run as in the CLI.
-        Some("worker") => exit_on_error(headroom_cli::run(args)),
+        // The supervisor's workers run as in the CLI.
+        Some("worker") => {
+            headroom_service::init_logging();
+            let DesktopWorker { command: WorkerCommand::Worker(worker) } = DesktopWorker::parse_from(&args);
+            match headroom_service::run_worker(worker) {
+                Ok(code) => std::process::exit(code),
+                Err(e) => exit_on_error(Err(e)),
+            }
+        }
         Some("export-bindings") => {
             let path = args.get(2).map(std::path::PathBuf::from).unwrap_or_else(ipc::default_bindings_path);
             exit_on_error(ipc::export_bindings(&path));
@@ -50,8 +69,8 @@ fn exit_on_error(result: anyhow::Result<()>) {
     }
 }
 
-fn run_app(serve: ServeArgs) {
-    headroom_cli::init_logging();
+fn run_app(serve: ServeOptions) {
+    headroom_service::init_logging();
     // One runtime for the server and for Tauri's async commands.
     let runtime = tokio::runtime::Runtime::new().expect("cannot start the tokio runtime");
     tauri::async_runtime::set(runtime.handle().clone());
@@ -60,7 +79,7 @@ fn run_app(serve: ServeArgs) {
     let server = {
         let shell = shell.clone();
         runtime.spawn(async move {
-            let result = headroom_cli::serve::serve_async(
+            let result = headroom_service::run(
                 serve,
                 move |running| shell.ready(running),
                 async move {

@@ -119,7 +119,7 @@ async fn follow_degraded(app: &AppHandle, tray: Option<&Tray>, shell: &Shell) ->
     let mut paused = false;
     while let Some(chunk) = body.next().await {
         buffer.extend_from_slice(&chunk.map_err(|e| e.to_string())?);
-        for data in headroom_cli::sse::complete_sse_data(&mut buffer) {
+        for data in headroom_server::sse::complete_sse_data(&mut buffer) {
             let Ok(event) = serde_json::from_str::<serde_json::Value>(&data) else { continue };
             // The GPU pause is the person's choice: icon and menu follow it, no notification.
             let paused_now = match event["event"].as_str() {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use headroom_model::{GenerateRequest, ModelBundle};
 use headroom_router::{BreakerState, EventKind, RunRequest, Supervisor, SupervisorConfig, Target};
-use headroom_worker::{DeviceKind, Fault, WorkerOptions};
+use headroom_worker::{Device, Fault, WorkerOptions};
 
 fn median(values: &mut [f64]) -> f64 {
     values.sort_by(f64::total_cmp);
@@ -36,7 +36,7 @@ pub fn bench_failover(model_dir: &Path, runs: usize, prompt_tokens: usize, max_t
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
         let program = std::env::current_exe()?;
-        let mut config = SupervisorConfig::new(program, model_dir.to_path_buf(), Some(WorkerOptions::new(DeviceKind::Sim)));
+        let mut config = SupervisorConfig::new(program, model_dir.to_path_buf(), Some(WorkerOptions::new(Device::Sim)));
         // Count OOMs without opening the breaker, so every OOM run is a failover.
         config.supervision.breaker.failure_threshold = u32::MAX;
         config.supervision.health_interval_ms = 200;

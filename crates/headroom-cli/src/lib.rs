@@ -1,6 +1,5 @@
-//! The `headroom` command line: parses arguments, wires the library crates together and prints.
-//! A library so the desktop app runs the same commands (its binary is also spawned as `worker`)
-//! and embeds the same server (`serve::serve_until`).
+//! The `headroom` command line: parses arguments and calls the libraries (`headroom-service`
+//! runs the service and the workers), the pressure harness and the benchmarks.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -9,8 +8,6 @@ mod failover;
 mod memory;
 mod pressure;
 mod pressure_report;
-pub mod serve;
-pub mod sse;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
@@ -38,7 +35,7 @@ enum DeviceChoice {
 enum Command {
     /// Serve the OpenAI-compatible API (and the web UI at /) with a GPU worker, a warm CPU
     /// worker and the request journal.
-    Serve(serve::ServeArgs),
+    Serve(headroom_service::ServeOptions),
     /// The memory-pressure harness: drives a real `headroom serve` through OOMs, driver resets,
     /// cancellations and shrinking VRAM; writes report.json and report.html; fails on a lost
     /// request, a duplicate side effect, host RAM over budget, an unmarked degraded response or
@@ -104,22 +101,7 @@ enum Command {
         what: BenchCommand,
     },
     /// Run one worker process (started by the router; speaks the worker protocol on stdio).
-    Worker {
-        /// cpu, sim (simulated VRAM with fault injection) or cuda:N.
-        #[arg(long)]
-        device: String,
-        /// Requests generated at once (default: 4 on a GPU, 1 on the CPU).
-        #[arg(long)]
-        max_concurrency: Option<u32>,
-        /// Context limit (prompt + max_tokens) below the model's own.
-        #[arg(long)]
-        max_context_tokens: Option<u32>,
-        #[arg(long, default_value_t = 1000)]
-        memory_sample_ms: u64,
-        /// Simulated VRAM capacity of the sim device.
-        #[arg(long, default_value_t = 2048)]
-        sim_vram_mib: u64,
-    },
+    Worker(headroom_service::WorkerArgs),
     /// Train the embedded demo model (tokenizer and weights) from the King James Bible text.
     Train {
         /// Text of `bible gen1:1-rev22:21` (Debian package bible-kjv); `-` reads stdin.
@@ -172,26 +154,15 @@ enum BenchCommand {
     },
 }
 
-/// Logs to stderr, filtered by `HEADROOM_LOG` (default `warn`). Idempotent.
-pub fn init_logging() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("HEADROOM_LOG")
-                .unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .try_init();
-}
-
 /// Runs one `headroom` command line (`args` starts with the program name).
 pub fn run<I, T>(args: I) -> Result<()>
 where
     I: IntoIterator<Item = T>,
     T: Into<std::ffi::OsString> + Clone,
 {
-    init_logging();
+    headroom_service::init_logging();
     match Cli::parse_from(args).command {
-        Command::Serve(args) => serve::serve(args),
+        Command::Serve(args) => headroom_service::serve(args),
         Command::Pressure(args) => pressure::pressure(args),
         Command::Generate {
             model,
@@ -239,22 +210,7 @@ where
         Command::Bench {
             what: BenchCommand::Failover { model, runs, prompt_tokens, max_tokens, json },
         } => failover::bench_failover(&resolve_model_dir(&model), runs, prompt_tokens, max_tokens, json.as_deref()),
-        Command::Worker { device, max_concurrency, max_context_tokens, memory_sample_ms, sim_vram_mib } => {
-            let device: headroom_worker::DeviceKind = device.parse().map_err(anyhow::Error::msg)?;
-            if let headroom_worker::DeviceKind::Cuda(_) = device {
-                if let headroom_model::device::CudaProbe::Unavailable { reason } = probe_cuda() {
-                    bail!("worker --device {device}: {reason}; use --device cpu or sim");
-                }
-            }
-            let mut options = headroom_worker::WorkerOptions::new(device);
-            if let Some(n) = max_concurrency {
-                options.max_concurrency = n.max(1);
-            }
-            options.max_context_tokens = max_context_tokens;
-            options.memory_sample_ms = memory_sample_ms;
-            options.sim_vram_mib = sim_vram_mib;
-            std::process::exit(headroom_worker::run_stdio(options));
-        }
+        Command::Worker(args) => std::process::exit(headroom_service::run_worker(args)?),
         Command::Train {
             corpus,
             out,

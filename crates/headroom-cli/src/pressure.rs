@@ -21,7 +21,7 @@ use serde_json::{json, Value};
 use tokio::io::AsyncBufReadExt;
 
 use crate::pressure_report;
-use crate::sse::complete_sse_data;
+use headroom_server::sse::complete_sse_data;
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]

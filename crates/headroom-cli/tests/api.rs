@@ -11,7 +11,7 @@ use headroom_memory::MemoryConfig;
 use headroom_model::ModelBundle;
 use headroom_router::{Dispatcher, Journal, QueueConfig, RequestState, Settings, SettingsFile, Supervisor, SupervisorConfig};
 use headroom_server::{AppState, Limits, ServerConfig};
-use headroom_worker::{DeviceKind, WorkerOptions};
+use headroom_worker::{Device, WorkerOptions};
 use serde_json::{json, Value};
 use tower::ServiceExt;
 
@@ -32,7 +32,7 @@ async fn api_saving_settings(with_sim_gpu: bool, api_key: Option<&str>, settings
 async fn api_with(with_sim_gpu: bool, api_key: Option<&str>, settings_file: Option<SettingsFile>, settings: Settings) -> Api {
     let model_dir = headroom_model::bundle::resolve_model_dir("default");
     let sim = with_sim_gpu.then(|| {
-        let mut sim = WorkerOptions::new(DeviceKind::Sim);
+        let mut sim = WorkerOptions::new(Device::Sim);
         sim.memory_sample_ms = 0;
         sim
     });

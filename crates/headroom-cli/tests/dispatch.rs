@@ -8,10 +8,10 @@ use headroom_memory::{Allowances, MemoryConfig};
 use headroom_model::{GenerateRequest, ModelBundle, SamplingParams};
 use headroom_router::journal::{NewRequest, TransitionRecord};
 use headroom_router::{
-    Completion, Defect, Dispatcher, Journal, QueueConfig, RequestState, RunRequest, Settings, StreamEvent, Submission, SubmitError, Supervisor, SupervisorConfig, Ticket,
-    Transition,
+    Completion, Defect, Dispatcher, Journal, QueueConfig, RequestState, RunRequest, Settings, Submission, SubmitError, Supervisor, SupervisorConfig, Ticket,
+    Lane, Transition,
 };
-use headroom_worker::{DeviceKind, Fault, WorkerOptions};
+use headroom_worker::{Device, Fault, WorkerOptions};
 
 fn model_dir() -> PathBuf {
     headroom_model::bundle::resolve_model_dir("default")
@@ -19,7 +19,7 @@ fn model_dir() -> PathBuf {
 
 fn supervisor_config(with_sim_gpu: bool) -> SupervisorConfig {
     let sim = with_sim_gpu.then(|| {
-        let mut sim = WorkerOptions::new(DeviceKind::Sim);
+        let mut sim = WorkerOptions::new(Device::Sim);
         sim.memory_sample_ms = 0;
         sim
     });
@@ -90,14 +90,14 @@ async fn a_retry_while_running_attaches_to_the_same_request() {
 async fn cancelling_a_queued_cpu_request_frees_its_place_and_leaves_the_running_one_alone() {
     let d = dispatcher(false, Journal::in_memory().unwrap(), QueueConfig::default()).await;
     let mut running = d.submit(submission("long", "And it came to pass", 80, None)).unwrap();
-    assert_eq!(running.device_queue, "cpu");
+    assert_eq!(running.device_queue, Some(Lane::Cpu));
     running.next_token().await.expect("the first request started");
     let queued = d.submit(submission("queued", "And it came to pass", 80, None)).unwrap();
-    assert_eq!(d.queues().iter().find(|q| q.device == "cpu").unwrap().waiting, 1);
+    assert_eq!(d.queues().iter().find(|q| q.device == Lane::Cpu).unwrap().waiting, 1);
     queued.cancel();
     assert!(matches!(queued.finish().await, Err(SubmitError::Cancelled)));
     assert_eq!(d.journal().get("queued").unwrap().state, RequestState::Cancelled);
-    assert_eq!(d.queues().iter().find(|q| q.device == "cpu").unwrap().waiting, 0);
+    assert_eq!(d.queues().iter().find(|q| q.device == Lane::Cpu).unwrap().waiting, 0);
     let done = running.finish().await.unwrap();
     assert_eq!(done.outcome.tokens.len(), 80);
     d.supervisor().shutdown().await;
@@ -226,7 +226,7 @@ async fn after_a_crash_the_journal_reruns_what_was_accepted_and_unfinished() {
                 allow_resume: true,
             })
             .unwrap();
-        journal.record("orphan", &Transition::Running { device: "cpu".into(), attempt: 1 }).unwrap();
+        journal.record("orphan", &Transition::Running { device: Device::Cpu, attempt: 1 }).unwrap();
     }
     let d = dispatcher(false, Journal::open(&path).unwrap(), QueueConfig::default()).await;
     // The client comes back with its idempotency key and collects the result.
@@ -242,7 +242,7 @@ async fn a_request_that_would_outlast_the_client_timeout_is_refused_up_front() {
     let d = dispatcher(false, Journal::in_memory().unwrap(), QueueConfig::default()).await;
     // One finished request gives the CPU lane a measured rate.
     d.submit(submission("warm", "And God said", 16, None)).unwrap().finish().await.unwrap();
-    let cpu = d.queues().into_iter().find(|q| q.device == "cpu").unwrap();
+    let cpu = d.queues().into_iter().find(|q| q.device == Lane::Cpu).unwrap();
     assert!(cpu.ms_per_token.unwrap() > 0.0);
     let mut impatient = submission("impatient", "And God said", 400, None);
     impatient.allow.max_wait_ms = Some(1);
@@ -299,7 +299,7 @@ async fn queued_gpu_requests_start_only_when_their_memory_is_free() {
     let mut most_running_on_gpu = 0;
     while let Ok(e) = events.try_recv() {
         if let headroom_router::EventKind::QueueChanged { device, running, .. } = e.kind {
-            if device == "gpu" {
+            if device == Lane::Gpu {
                 most_running_on_gpu = most_running_on_gpu.max(running);
             }
         }
@@ -344,47 +344,10 @@ async fn dispatcher_with(config: SupervisorConfig) -> Dispatcher {
     Dispatcher::start(supervisor, Journal::in_memory().unwrap(), planner, memory, QueueConfig::default(), Settings::default(), None).unwrap().0
 }
 
-/// How each request of a run ended: its completion, or the error it ended with (lost).
-struct Ends {
-    completed: Vec<Completion>,
-    lost: Vec<String>,
-    /// Streams that were told they wait in the CPU queue.
-    waiting_notices: usize,
-}
-
-/// Drains a ticket (its tokens and notices) to its end.
-async fn drain(mut ticket: Ticket) -> (Result<Completion, SubmitError>, usize) {
-    let mut notices = 0;
-    while let Some(event) = ticket.next_event().await {
-        if matches!(event, StreamEvent::Waiting(_)) {
-            notices += 1;
-        }
-    }
-    (ticket.finish().await, notices)
-}
-
-async fn ends(tickets: Vec<Ticket>) -> Ends {
-    let tasks: Vec<_> = tickets.into_iter().map(|t| tokio::spawn(drain(t))).collect();
-    let mut e = Ends { completed: Vec::new(), lost: Vec::new(), waiting_notices: 0 };
-    for task in tasks {
-        let (result, notices) = task.await.unwrap();
-        e.waiting_notices += notices;
-        match result {
-            Ok(c) => e.completed.push(c),
-            Err(err) => e.lost.push(err.to_string()),
-        }
-    }
-    e
-}
-
-/// Polls until `ready` holds, for up to `secs`.
-async fn until(secs: u64, what: &str, mut ready: impl FnMut() -> bool) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(secs);
-    while !ready() {
-        assert!(std::time::Instant::now() < deadline, "not within {secs} s: {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
+// `ends`, `until`: the same helpers as the router's own dispatch tests.
+#[path = "../../headroom-router/tests/support/flow.rs"]
+mod flow;
+use flow::{ends, until, Ends};
 
 /// The sim GPU's 4 slots full and 4 more requests queued behind them (half of all of them
 /// streaming), one CPU slot: then the GPU worker is killed with SIGKILL.
@@ -404,7 +367,7 @@ async fn gpu_killed_at_full_load(defect: Option<Defect>) -> (Dispatcher, Ends) {
             d.submit(sub).unwrap()
         })
         .collect();
-    let gpu = |d: &Dispatcher| d.queues().into_iter().find(|q| q.device == "gpu").unwrap();
+    let gpu = |d: &Dispatcher| d.queues().into_iter().find(|q| q.device == Lane::Gpu).unwrap();
     until(20, "4 running and 4 queued on the GPU", || {
         let q = gpu(&d);
         q.running == 4 && q.waiting == 4
@@ -433,10 +396,10 @@ async fn a_gpu_worker_killed_at_full_load_loses_no_request() {
         let steps = d.journal().transitions(&c.outcome.request_id).unwrap();
         let kinds: Vec<&Transition> = steps.iter().map(|t| &t.transition).collect();
         assert!(kinds.iter().any(|t| matches!(t, Transition::AttemptFailed { .. })), "{kinds:?}");
-        assert!(kinds.iter().any(|t| matches!(t, Transition::Queued { device } if device == "cpu")), "{kinds:?}");
+        assert!(kinds.iter().any(|t| matches!(t, Transition::Queued { device } if *device == Lane::Cpu)), "{kinds:?}");
     }
     assert!(e.waiting_notices >= 1, "streams waiting for a CPU slot are told so");
-    let cpu = d.queues().into_iter().find(|q| q.device == "cpu").unwrap();
+    let cpu = d.queues().into_iter().find(|q| q.device == Lane::Cpu).unwrap();
     assert_eq!((cpu.waiting, cpu.running), (0, 0));
     assert_eq!(cpu.failover_room, 64 + 4, "the CPU queue keeps a place for every request the GPU lane can hold");
     d.supervisor().shutdown().await;
@@ -566,7 +529,7 @@ async fn compiling_gpu_worker(worker_env: Vec<(String, String)>) -> (bool, Vec<S
         health_failed |= matches!(event.kind, headroom_router::EventKind::HealthCheckFailed { .. });
     }
     d.supervisor().shutdown().await;
-    (health_failed, e.completed.iter().map(|c| c.outcome.device.clone()).collect())
+    (health_failed, e.completed.iter().map(|c| c.outcome.device.label()).collect())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

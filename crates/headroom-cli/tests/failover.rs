@@ -8,7 +8,7 @@ use std::time::Duration;
 use headroom_memory::{MemoryConfig, ModelShape, RequestShape, MIB};
 use headroom_model::{GenerateRequest, ModelBundle, SamplingParams};
 use headroom_router::{BreakerState, EventKind, RunOutcome, RunRequest, ServiceEvent, Supervisor, SupervisorConfig, Target};
-use headroom_worker::{DeviceKind, Fault, WorkerOptions};
+use headroom_worker::{Device, Fault, WorkerOptions};
 use tokio::sync::broadcast;
 
 fn model_dir() -> PathBuf {
@@ -16,7 +16,7 @@ fn model_dir() -> PathBuf {
 }
 
 fn config() -> SupervisorConfig {
-    let mut sim = WorkerOptions::new(DeviceKind::Sim);
+    let mut sim = WorkerOptions::new(Device::Sim);
     sim.memory_sample_ms = 0;
     let mut config = SupervisorConfig::new(PathBuf::from(env!("CARGO_BIN_EXE_headroom")), model_dir(), Some(sim));
     config.cpu.max_concurrency = 2;

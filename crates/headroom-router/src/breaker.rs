@@ -46,7 +46,7 @@ pub enum FailureCause {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Transition {
+pub struct BreakerTransition {
     pub from: BreakerState,
     pub to: BreakerState,
     pub reason: String,
@@ -92,7 +92,7 @@ impl Breaker {
         self.state == BreakerState::Closed
     }
 
-    fn go(&mut self, to: BreakerState, reason: String, now: Instant) -> Option<Transition> {
+    fn go(&mut self, to: BreakerState, reason: String, now: Instant) -> Option<BreakerTransition> {
         if self.state == to {
             return None;
         }
@@ -110,10 +110,10 @@ impl Breaker {
             }
             BreakerState::HalfOpen => {}
         }
-        Some(Transition { from, to, reason })
+        Some(BreakerTransition { from, to, reason })
     }
 
-    pub fn record_failure(&mut self, cause: FailureCause, reason: &str, now: Instant) -> Option<Transition> {
+    pub fn record_failure(&mut self, cause: FailureCause, reason: &str, now: Instant) -> Option<BreakerTransition> {
         match (self.state, cause) {
             (BreakerState::Open, _) => None,
             (BreakerState::HalfOpen, _) => self.go(BreakerState::Open, format!("probe period failed: {reason}"), now),
@@ -147,21 +147,21 @@ impl Breaker {
     }
 
     /// Open → HalfOpen, once the cool-down is over.
-    pub fn begin_probe(&mut self, now: Instant) -> Option<Transition> {
+    pub fn begin_probe(&mut self, now: Instant) -> Option<BreakerTransition> {
         if !self.cooldown_over(now) {
             return None;
         }
         self.go(BreakerState::HalfOpen, "cool-down over; probing the GPU".into(), now)
     }
 
-    pub fn probe_succeeded(&mut self, detail: &str, now: Instant) -> Option<Transition> {
+    pub fn probe_succeeded(&mut self, detail: &str, now: Instant) -> Option<BreakerTransition> {
         if self.state != BreakerState::HalfOpen {
             return None;
         }
         self.go(BreakerState::Closed, format!("probe succeeded: {detail}"), now)
     }
 
-    pub fn probe_failed(&mut self, detail: &str, now: Instant) -> Option<Transition> {
+    pub fn probe_failed(&mut self, detail: &str, now: Instant) -> Option<BreakerTransition> {
         if self.state != BreakerState::HalfOpen {
             return None;
         }

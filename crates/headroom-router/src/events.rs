@@ -3,10 +3,11 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use headroom_worker::MemoryReading;
+use headroom_worker::{Device, MemoryReading};
 use serde::{Deserialize, Serialize};
 
 use crate::breaker::BreakerState;
+use crate::Lane;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ServiceEvent {
@@ -32,12 +33,12 @@ pub enum EventKind {
     GpuPaused { paused: bool, reason: String },
     /// Settings changed: all of them now, which changed, and which of those wait for a restart.
     SettingsChanged { settings: crate::settings::Settings, changed: Vec<String>, restart_required: Vec<String> },
-    WorkerStarted { device: String, pid: u32, simulated: bool, load_ms: f64, bundle_hash: String },
-    WorkerExited { device: String, pid: u32, status: String },
-    WorkerRestartScheduled { device: String, attempt: u32, delay_ms: u64, reason: String },
-    HealthCheckFailed { device: String, pid: u32, reason: String },
-    Failover { request_id: String, from: String, to: String, reason: String, resumed_after_tokens: u32 },
+    WorkerStarted { device: Device, pid: u32, simulated: bool, load_ms: f64, bundle_hash: String },
+    WorkerExited { device: Device, pid: u32, status: String },
+    WorkerRestartScheduled { device: Device, attempt: u32, delay_ms: u64, reason: String },
+    HealthCheckFailed { device: Device, pid: u32, reason: String },
+    Failover { request_id: String, from: Device, to: Device, reason: String, resumed_after_tokens: u32 },
     MemorySample { reading: MemoryReading },
     /// A queue's depth changed (a request joined, started or left).
-    QueueChanged { device: String, waiting: u32, running: u32, capacity: u32, oldest_wait_ms: u64, estimated_delay_ms: Option<u64> },
+    QueueChanged { device: Lane, waiting: u32, running: u32, capacity: u32, oldest_wait_ms: u64, estimated_delay_ms: Option<u64> },
 }

@@ -11,7 +11,10 @@ use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
+use headroom_worker::{Device, FailureKind};
 use serde::{Deserialize, Serialize};
+
+use crate::Lane;
 
 /// Bumped when the schema changes; an older file is migrated or refused with a clear message.
 const SCHEMA_VERSION: i64 = 1;
@@ -79,17 +82,63 @@ impl RequestState {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "transition", rename_all = "snake_case")]
 pub enum Transition {
-    Queued { device: String },
-    Running { device: String, attempt: u32 },
+    /// Waiting in a lane's queue (`device` is the lane: `gpu` or `cpu`).
+    Queued { device: Lane },
+    Running { device: Device, attempt: u32 },
     /// An attempt failed; the request may still be replayed or resumed.
-    AttemptFailed { device: String, kind: String, detail: String },
-    Replayed { to: String, attempt: u32 },
-    Resumed { to: String, attempt: u32, after_tokens: u32 },
-    Completed { device: String, result: serde_json::Value },
+    AttemptFailed {
+        device: Device,
+        #[serde(deserialize_with = "failure_kind_or_unknown")]
+        kind: FailureKind,
+        detail: String,
+    },
+    Replayed { to: Device, attempt: u32 },
+    Resumed { to: Device, attempt: u32, after_tokens: u32 },
+    Completed { device: Device, result: serde_json::Value },
     /// The request ended without a result. `resumable`: the client may retry or resume it.
-    Failed { kind: String, detail: String, resumable: bool },
+    Failed {
+        #[serde(deserialize_with = "end_cause_or_unknown")]
+        kind: EndCause,
+        detail: String,
+        resumable: bool,
+    },
     Cancelled { reason: String },
     Refused { reason: String },
+}
+
+/// Why a request ended without a result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EndCause {
+    /// No queue could take it (after a failover that the request did not allow, for one).
+    Capacity,
+    /// A worker failed it and no other could take it.
+    Worker,
+    /// Tokens had been delivered and the request did not allow resuming elsewhere.
+    Interrupted,
+    /// The request itself is wrong.
+    Invalid,
+    /// Headroom itself (a restart that could not re-run it, a journal that failed).
+    Internal,
+}
+
+impl std::fmt::Display for EndCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = serde_json::to_value(self).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
+        f.write_str(&name)
+    }
+}
+
+/// Journals written before these kinds were typed hold other words (`failover`): read them as
+/// unknown rather than refuse the whole history.
+fn failure_kind_or_unknown<'de, D: serde::Deserializer<'de>>(d: D) -> Result<FailureKind, D::Error> {
+    let word = String::deserialize(d)?;
+    Ok(serde_json::from_value(serde_json::Value::String(word)).unwrap_or(FailureKind::Internal))
+}
+
+fn end_cause_or_unknown<'de, D: serde::Deserializer<'de>>(d: D) -> Result<EndCause, D::Error> {
+    let word = String::deserialize(d)?;
+    Ok(serde_json::from_value(serde_json::Value::String(word)).unwrap_or(EndCause::Internal))
 }
 
 impl Transition {
@@ -106,10 +155,12 @@ impl Transition {
         }
     }
 
-    fn device(&self) -> Option<&str> {
+    /// Where the request is now: a lane while it waits, a device while it runs or once done.
+    fn device(&self) -> Option<String> {
         match self {
-            Self::Queued { device } | Self::Running { device, .. } | Self::Completed { device, .. } => Some(device),
-            Self::Replayed { to, .. } | Self::Resumed { to, .. } => Some(to),
+            Self::Queued { device } => Some(device.to_string()),
+            Self::Running { device, .. } | Self::Completed { device, .. } => Some(device.label()),
+            Self::Replayed { to, .. } | Self::Resumed { to, .. } => Some(to.label()),
             _ => None,
         }
     }
@@ -446,7 +497,7 @@ impl Journal {
                         record.delivered_tokens
                     )
                 };
-                self.record(&id, &Transition::Failed { kind: "interrupted".into(), detail: reason.clone(), resumable: true })?;
+                self.record(&id, &Transition::Failed { kind: EndCause::Interrupted, detail: reason.clone(), resumable: true })?;
                 out.push(Recovery::MarkedFailed { record: self.get(&id)?, reason });
             }
         }
@@ -513,20 +564,32 @@ mod tests {
     }
 
     #[test]
+    fn transitions_written_before_their_kinds_were_typed_still_read() {
+        let old = r#"{"transition":"attempt_failed","device":"sim","kind":"failover","detail":"x"}"#;
+        let t: Transition = serde_json::from_str(old).unwrap();
+        assert_eq!(t, Transition::AttemptFailed { device: Device::Sim, kind: FailureKind::Internal, detail: "x".into() });
+        let old = r#"{"transition":"failed","kind":"capacity","detail":"y","resumable":true}"#;
+        let t: Transition = serde_json::from_str(old).unwrap();
+        assert_eq!(t, Transition::Failed { kind: EndCause::Capacity, detail: "y".into(), resumable: true });
+        let old = r#"{"transition":"queued","device":"cpu"}"#;
+        assert_eq!(serde_json::from_str::<Transition>(old).unwrap(), Transition::Queued { device: Lane::Cpu });
+    }
+
+    #[test]
     fn a_request_walks_its_transitions_and_ends_once() {
         let j = Journal::in_memory().unwrap();
         assert_eq!(j.accept(&new("r1", None, "a", false)).unwrap(), Accepted::New);
         assert_eq!(j.get("r1").unwrap().state, RequestState::Accepted);
-        j.record("r1", &Transition::Queued { device: "sim".into() }).unwrap();
-        j.record("r1", &Transition::Running { device: "sim".into(), attempt: 1 }).unwrap();
-        j.record("r1", &Transition::AttemptFailed { device: "sim".into(), kind: "oom".into(), detail: "x".into() }).unwrap();
-        j.record("r1", &Transition::Replayed { to: "cpu".into(), attempt: 2 }).unwrap();
-        assert!(j.record("r1", &Transition::Completed { device: "cpu".into(), result: json!({"text": "hi"}) }).unwrap());
+        j.record("r1", &Transition::Queued { device: Lane::Gpu }).unwrap();
+        j.record("r1", &Transition::Running { device: Device::Sim, attempt: 1 }).unwrap();
+        j.record("r1", &Transition::AttemptFailed { device: Device::Sim, kind: FailureKind::Oom, detail: "x".into() }).unwrap();
+        j.record("r1", &Transition::Replayed { to: Device::Cpu, attempt: 2 }).unwrap();
+        assert!(j.record("r1", &Transition::Completed { device: Device::Cpu, result: json!({"text": "hi"}) }).unwrap());
         let r = j.get("r1").unwrap();
         assert_eq!((r.state, r.device.as_deref(), r.attempt), (RequestState::Completed, Some("cpu"), 2));
         assert_eq!(r.result, Some(json!({"text": "hi"})));
         // A late event from a dead worker does not reopen it.
-        assert!(!j.record("r1", &Transition::Failed { kind: "device_lost".into(), detail: "late".into(), resumable: true }).unwrap());
+        assert!(!j.record("r1", &Transition::Failed { kind: EndCause::Worker, detail: "late".into(), resumable: true }).unwrap());
         assert_eq!(j.get("r1").unwrap().state, RequestState::Completed);
         let steps: Vec<RequestState> = j.transitions("r1").unwrap().iter().map(|t| t.state).collect();
         assert_eq!(steps.len(), 5);
@@ -538,7 +601,7 @@ mod tests {
     fn idempotency_keys_return_the_first_request_or_conflict() {
         let j = Journal::in_memory().unwrap();
         assert_eq!(j.accept(&new("r1", Some("k"), "a", false)).unwrap(), Accepted::New);
-        j.record("r1", &Transition::Completed { device: "cpu".into(), result: json!(1) }).unwrap();
+        j.record("r1", &Transition::Completed { device: Device::Cpu, result: json!(1) }).unwrap();
         match j.accept(&new("r2", Some("k"), "a", false)).unwrap() {
             Accepted::Existing(r) => assert_eq!((r.request.id.as_str(), r.result), ("r1", Some(json!(1)))),
             other => panic!("{other:?}"),
@@ -566,13 +629,13 @@ mod tests {
         {
             let j = Journal::open(&path).unwrap();
             j.accept(&new("done", None, "a", false)).unwrap();
-            j.record("done", &Transition::Completed { device: "cpu".into(), result: json!(0) }).unwrap();
+            j.record("done", &Transition::Completed { device: Device::Cpu, result: json!(0) }).unwrap();
             j.accept(&new("queued", None, "b", false)).unwrap();
-            j.record("queued", &Transition::Queued { device: "sim".into() }).unwrap();
+            j.record("queued", &Transition::Queued { device: Lane::Gpu }).unwrap();
             j.accept(&new("stream-fresh", None, "c", true)).unwrap();
-            j.record("stream-fresh", &Transition::Running { device: "sim".into(), attempt: 1 }).unwrap();
+            j.record("stream-fresh", &Transition::Running { device: Device::Sim, attempt: 1 }).unwrap();
             j.accept(&new("stream-sent", None, "d", true)).unwrap();
-            j.record("stream-sent", &Transition::Running { device: "sim".into(), attempt: 1 }).unwrap();
+            j.record("stream-sent", &Transition::Running { device: Device::Sim, attempt: 1 }).unwrap();
             j.record_delivered("stream-sent", 5).unwrap();
             j.accept(&new("tool", None, "e", false)).unwrap();
             j.record_tool_call("tool", "call_1", "send_email", "{}").unwrap();

@@ -7,18 +7,23 @@ pub mod breaker;
 pub mod dispatch;
 pub mod events;
 pub mod journal;
+mod lane;
 mod metrics;
 pub mod settings;
 pub mod supervisor;
 pub mod worker;
 
-pub use breaker::{Breaker, BreakerConfig, BreakerState, FailureCause};
-pub use dispatch::{CancelOutcome, Completion, Defect, Dispatcher, QueueConfig, QueueStatus, SettingsError, SettingsUpdate, StreamEvent, Submission, SubmitError, Ticket, WaitNotice};
+pub use breaker::{Breaker, BreakerConfig, BreakerState, BreakerTransition, FailureCause};
+pub use dispatch::{
+    CancelOutcome, Completion, Defect, Dispatcher, Placement, QueueConfig, QueueStatus, ServiceStatus, SettingsError, SettingsUpdate, StreamEvent, Submission, SubmitError, Ticket,
+    WaitNotice, WorkerSnapshot, WorkerState,
+};
 pub use events::{EventKind, ServiceEvent};
-pub use journal::{Accepted, Journal, JournalError, NewRequest, Recovery, RequestRecord, RequestState, Transition};
+pub use lane::Lane;
+pub use journal::{Accepted, EndCause, Journal, JournalError, NewRequest, Recovery, RequestRecord, RequestState, Transition};
 pub use settings::{Settings, SettingsFile};
-pub use supervisor::{AttemptError, CancelSignal, Progress, CpuSetup, DeviceStatus, FailoverRecord, RunOutcome, RunRequest, StreamedToken, SupervisionConfig, Supervisor, SupervisorConfig, Target};
-pub use worker::{HealthReport, Worker, WorkerSpec};
+pub use supervisor::{degradation, AttemptError, CancelSignal, Progress, CpuSetup, DeviceStatus, FailoverRecord, RunOutcome, RunRequest, StreamedToken, SupervisionConfig, Supervisor, SupervisorConfig, Target};
+pub use worker::{BoxFuture, ExitInfo, HealthReport, ProcessLauncher, ReadyInfo, Worker, WorkerLauncher, WorkerLink, WorkerSpec};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

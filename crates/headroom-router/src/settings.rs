@@ -32,7 +32,7 @@ pub struct Settings {
 
 impl Default for Settings {
     fn default() -> Self {
-        let cpu = headroom_worker::WorkerOptions::new(headroom_worker::DeviceKind::Cpu);
+        let cpu = headroom_worker::WorkerOptions::new(headroom_worker::Device::Cpu);
         Self {
             vram_reserve_mib: None,
             gpu_paused: false,

@@ -1,16 +1,23 @@
-//! The router's handle on one worker process: spawn it, load the model, send frames, route the
-//! frames it sends back to the request or the call waiting for them, and notice when it dies.
-//! Whatever the device, the router sees this one `Worker` type.
+//! The router's handle on one worker: [`Worker`] (its device, pid and model) over a
+//! [`WorkerLink`] (submit a job, cancel, health, memory readings, faults, its end). Whatever the
+//! device, the router sees this one `Worker` type; a [`WorkerLauncher`] starts them.
+//!
+//! In the service every worker is a process ([`ProcessLauncher`], [`ProcessLink`]): spawn it, load
+//! the model, send frames, route the frames it sends back to the request or the call waiting for
+//! them, and notice when it dies. The router's own tests launch in-process workers through the
+//! same traits, so dispatch and supervision are tested without spawning anything.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::path::PathBuf;
+use std::pin::Pin;
 use std::process::Stdio;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use headroom_worker::protocol::{decode_body, encode_frame, frame_len};
-use headroom_worker::{DeviceKind, FailureKind, Fault, FromWorker, GenerateJob, MemoryReading, ToWorker, WorkerOptions, PROTOCOL_VERSION};
+use headroom_worker::{Device, FailureKind, Fault, FromWorker, GenerateJob, MemoryReading, ToWorker, WorkerOptions, PROTOCOL_VERSION};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, ChildStdin, ChildStdout};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -66,21 +73,73 @@ struct Routes {
     memory: watch::Sender<Option<MemoryReading>>,
 }
 
+/// A future a [`WorkerLink`] or [`WorkerLauncher`] returns (the traits are used as objects).
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The seam between the router and a worker: everything the router asks of one, whatever runs
+/// it. A request's stream ends with `Done` or `Failed`; a worker that ends fails every request it
+/// held with `DeviceLost` and then reports its exit.
+pub trait WorkerLink: Send + Sync {
+    /// Starts a generation; the stream ends with `Done` or `Failed` (a dead worker included).
+    fn generate(&self, job: GenerateJob) -> BoxFuture<'_, Result<mpsc::UnboundedReceiver<FromWorker>>>;
+    fn cancel<'a>(&'a self, request_id: &'a str) -> BoxFuture<'a, Result<()>>;
+    /// A health answer within `timeout`, or an error (an unhealthy worker).
+    fn health(&self, timeout: Duration) -> BoxFuture<'_, Result<HealthReport>>;
+    /// The half-open probe: canary allocation plus one generated token.
+    fn probe(&self, canary_bytes: u64, timeout: Duration) -> BoxFuture<'_, Result<String>>;
+    /// Injects a fault (sim only); resolves once acknowledged.
+    fn fault(&self, fault: Fault) -> BoxFuture<'_, Result<()>>;
+    /// The last memory reading the worker sent.
+    fn memory(&self) -> watch::Receiver<Option<MemoryReading>>;
+    /// Requests it is generating now.
+    fn active_requests(&self) -> usize;
+    /// `Some` once the worker has ended.
+    fn exited(&self) -> watch::Receiver<Option<ExitInfo>>;
+    /// Ends it at once (SIGKILL for a process); its requests hear `DeviceLost`.
+    fn kill(&self);
+    /// Asks it to end after its current frame.
+    fn shutdown(&self) -> BoxFuture<'_, ()>;
+}
+
+/// Starts workers: the supervisor's only way to get one.
+pub trait WorkerLauncher: Send + Sync + std::fmt::Debug {
+    /// Starts a worker, loads the model and resolves once it is ready.
+    fn launch<'a>(&'a self, spec: &'a WorkerSpec) -> BoxFuture<'a, Result<Arc<Worker>>>;
+}
+
+/// Workers as processes of the `headroom` binary (`<program> worker ...`): the service's launcher.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ProcessLauncher;
+
+impl WorkerLauncher for ProcessLauncher {
+    fn launch<'a>(&'a self, spec: &'a WorkerSpec) -> BoxFuture<'a, Result<Arc<Worker>>> {
+        Box::pin(Worker::spawn(spec))
+    }
+}
+
+/// One ready worker, as the router holds it.
 pub struct Worker {
-    pub device: DeviceKind,
+    pub device: Device,
     pub pid: u32,
     pub ready: ReadyInfo,
-    stdin: tokio::sync::Mutex<ChildStdin>,
-    child: Arc<Mutex<Option<Child>>>,
-    routes: Arc<Routes>,
-    exited: watch::Receiver<Option<ExitInfo>>,
-    nonce: AtomicU64,
+    link: Box<dyn WorkerLink>,
 }
 
 impl std::fmt::Debug for Worker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Worker").field("device", &self.device).field("pid", &self.pid).finish()
     }
+}
+
+/// A worker process's stdio, and what is waiting for its answers.
+pub struct ProcessLink {
+    device: Device,
+    pid: u32,
+    stdin: tokio::sync::Mutex<ChildStdin>,
+    child: Arc<Mutex<Option<Child>>>,
+    routes: Arc<Routes>,
+    exited: watch::Receiver<Option<ExitInfo>>,
+    nonce: AtomicU64,
 }
 
 async fn read_message(stdout: &mut ChildStdout) -> Option<FromWorker> {
@@ -93,6 +152,11 @@ async fn read_message(stdout: &mut ChildStdout) -> Option<FromWorker> {
 }
 
 impl Worker {
+    /// A worker over `link` (a launcher's last step).
+    pub fn new(device: Device, pid: u32, ready: ReadyInfo, link: Box<dyn WorkerLink>) -> Arc<Worker> {
+        Arc::new(Worker { device, pid, ready, link })
+    }
+
     /// Starts the process, checks the protocol version, loads the model and waits until ready.
     pub async fn spawn(spec: &WorkerSpec) -> Result<Arc<Worker>> {
         let device = spec.options.device;
@@ -133,7 +197,7 @@ impl Worker {
         *routes.ready.lock().unwrap() = Some(ready_tx);
         let (exit_tx, exit_rx) = watch::channel(None);
         let child = Arc::new(Mutex::new(Some(child)));
-        tokio::spawn(Self::read_loop(stdout, routes.clone(), child.clone(), exit_tx, device));
+        tokio::spawn(ProcessLink::read_loop(stdout, routes.clone(), child.clone(), exit_tx, device));
         let load = ToWorker::Load { model_dir: spec.model_dir.display().to_string() };
         stdin
             .write_all(&encode_frame(&load).map_err(|e| Error::Worker(e.to_string()))?)
@@ -161,24 +225,84 @@ impl Worker {
                 )))
             }
         };
-        Ok(Arc::new(Worker {
-            device,
-            pid,
-            ready,
-            stdin: tokio::sync::Mutex::new(stdin),
-            child,
-            routes,
-            exited: exit_rx,
-            nonce: AtomicU64::new(1),
-        }))
+        let link = ProcessLink { device, pid, stdin: tokio::sync::Mutex::new(stdin), child, routes, exited: exit_rx, nonce: AtomicU64::new(1) };
+        Ok(Worker::new(device, pid, ready, Box::new(link)))
     }
+
+    /// Starts a generation; the stream ends with `Done` or `Failed` (a dead worker included).
+    pub async fn generate(&self, job: GenerateJob) -> Result<mpsc::UnboundedReceiver<FromWorker>> {
+        if self.has_exited() {
+            return Err(Error::Worker(format!("the {} worker has exited", self.device)));
+        }
+        self.link.generate(job).await
+    }
+
+    pub async fn cancel(&self, request_id: &str) -> Result<()> {
+        self.link.cancel(request_id).await
+    }
+
+    /// Asks for a health answer; a worker that does not answer in time is unhealthy.
+    pub async fn health(&self, timeout: Duration) -> Result<HealthReport> {
+        self.link.health(timeout).await
+    }
+
+    /// The half-open probe: canary allocation plus one generated token.
+    pub async fn probe(&self, canary_bytes: u64, timeout: Duration) -> Result<String> {
+        self.link.probe(canary_bytes, timeout).await
+    }
+
+    /// Injects a fault (sim only); waits for the worker's acknowledgement. A reset ends the
+    /// worker instead of answering.
+    pub async fn fault(&self, fault: Fault) -> Result<()> {
+        self.link.fault(fault).await
+    }
+
+    /// The last memory reading the worker sent (health answers and periodic samples).
+    pub fn memory(&self) -> watch::Receiver<Option<MemoryReading>> {
+        self.link.memory()
+    }
+
+    /// Requests this worker is generating now.
+    pub fn active_requests(&self) -> usize {
+        self.link.active_requests()
+    }
+
+    pub fn has_exited(&self) -> bool {
+        self.link.exited().borrow().is_some()
+    }
+
+    /// Resolves when the worker has ended.
+    pub async fn wait_exited(&self) -> ExitInfo {
+        let mut rx = self.link.exited();
+        loop {
+            if let Some(info) = rx.borrow().clone() {
+                return info;
+            }
+            if rx.changed().await.is_err() {
+                return ExitInfo { status: "exit status unknown".into() };
+            }
+        }
+    }
+
+    /// Ends the worker at once (SIGKILL for a process); its requests hear `DeviceLost`.
+    pub fn kill(&self) {
+        self.link.kill()
+    }
+
+    /// Asks the worker to end after its current frame.
+    pub async fn shutdown(&self) {
+        self.link.shutdown().await
+    }
+}
+
+impl ProcessLink {
 
     async fn read_loop(
         mut stdout: ChildStdout,
         routes: Arc<Routes>,
         child: Arc<Mutex<Option<Child>>>,
         exit_tx: watch::Sender<Option<ExitInfo>>,
-        device: DeviceKind,
+        device: Device,
     ) {
         while let Some(message) = read_message(&mut stdout).await {
             Self::route(&routes, message, device);
@@ -223,7 +347,7 @@ impl Worker {
         "exit status unknown".into()
     }
 
-    fn route(routes: &Routes, message: FromWorker, device: DeviceKind) {
+    fn route(routes: &Routes, message: FromWorker, device: Device) {
         match &message {
             FromWorker::Token { request_id, .. } => {
                 if let Some(tx) = routes.requests.lock().unwrap().get(request_id) {
@@ -280,13 +404,9 @@ impl Worker {
         stdin.flush().await.map_err(|e| Error::Worker(format!("{} worker is gone: {e}", self.device)))
     }
 
-    /// Starts a generation; the stream ends with `Done` or `Failed` (a dead worker included).
-    pub async fn generate(&self, job: GenerateJob) -> Result<mpsc::UnboundedReceiver<FromWorker>> {
+    async fn generate_job(&self, job: GenerateJob) -> Result<mpsc::UnboundedReceiver<FromWorker>> {
         let (tx, rx) = mpsc::unbounded_channel();
         let id = job.request_id.clone();
-        if self.has_exited() {
-            return Err(Error::Worker(format!("the {} worker has exited", self.device)));
-        }
         self.routes.requests.lock().unwrap().insert(id.clone(), tx);
         if let Err(e) = self.send(&ToWorker::Generate(job)).await {
             self.routes.requests.lock().unwrap().remove(&id);
@@ -295,12 +415,7 @@ impl Worker {
         Ok(rx)
     }
 
-    pub async fn cancel(&self, request_id: &str) -> Result<()> {
-        self.send(&ToWorker::Cancel { request_id: request_id.to_string() }).await
-    }
-
-    /// Asks for a health answer; a worker that does not answer in time is unhealthy.
-    pub async fn health(&self, timeout: Duration) -> Result<HealthReport> {
+    async fn health_check(&self, timeout: Duration) -> Result<HealthReport> {
         let nonce = self.nonce.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         self.routes.health.lock().unwrap().insert(nonce, tx);
@@ -320,8 +435,7 @@ impl Worker {
         }
     }
 
-    /// The half-open probe: canary allocation plus one generated token.
-    pub async fn probe(&self, canary_bytes: u64, timeout: Duration) -> Result<String> {
+    async fn probe_device(&self, canary_bytes: u64, timeout: Duration) -> Result<String> {
         let (tx, rx) = oneshot::channel();
         *self.routes.probe.lock().unwrap() = Some(tx);
         self.send(&ToWorker::Probe { canary_bytes }).await?;
@@ -333,9 +447,8 @@ impl Worker {
         }
     }
 
-    /// Injects a fault (sim only); waits for the worker's acknowledgement. A reset ends the
-    /// process instead of answering.
-    pub async fn fault(&self, fault: Fault) -> Result<()> {
+    /// A reset ends the process instead of answering.
+    async fn set_fault(&self, fault: Fault) -> Result<()> {
         let (tx, rx) = oneshot::channel();
         *self.routes.fault.lock().unwrap() = Some(tx);
         self.send(&ToWorker::Fault { fault: fault.clone() }).await?;
@@ -350,44 +463,51 @@ impl Worker {
             _ => Err(Error::Worker(format!("the {} worker did not acknowledge the fault", self.device))),
         }
     }
+}
 
-    /// The last memory reading the worker sent (health answers and periodic samples).
-    pub fn memory(&self) -> watch::Receiver<Option<MemoryReading>> {
+impl WorkerLink for ProcessLink {
+    fn generate(&self, job: GenerateJob) -> BoxFuture<'_, Result<mpsc::UnboundedReceiver<FromWorker>>> {
+        Box::pin(self.generate_job(job))
+    }
+
+    fn cancel<'a>(&'a self, request_id: &'a str) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move { self.send(&ToWorker::Cancel { request_id: request_id.to_string() }).await })
+    }
+
+    fn health(&self, timeout: Duration) -> BoxFuture<'_, Result<HealthReport>> {
+        Box::pin(self.health_check(timeout))
+    }
+
+    fn probe(&self, canary_bytes: u64, timeout: Duration) -> BoxFuture<'_, Result<String>> {
+        Box::pin(self.probe_device(canary_bytes, timeout))
+    }
+
+    fn fault(&self, fault: Fault) -> BoxFuture<'_, Result<()>> {
+        Box::pin(self.set_fault(fault))
+    }
+
+    fn memory(&self) -> watch::Receiver<Option<MemoryReading>> {
         self.routes.memory.subscribe()
     }
 
-    /// Requests this worker is generating now.
-    pub fn active_requests(&self) -> usize {
+    fn active_requests(&self) -> usize {
         self.routes.requests.lock().unwrap().len()
     }
 
-    pub fn has_exited(&self) -> bool {
-        self.exited.borrow().is_some()
+    fn exited(&self) -> watch::Receiver<Option<ExitInfo>> {
+        self.exited.clone()
     }
 
-    /// Resolves when the process has ended.
-    pub async fn wait_exited(&self) -> ExitInfo {
-        let mut rx = self.exited.clone();
-        loop {
-            if let Some(info) = rx.borrow().clone() {
-                return info;
-            }
-            if rx.changed().await.is_err() {
-                return ExitInfo { status: "exit status unknown".into() };
-            }
-        }
-    }
-
-    /// Kills the process (SIGKILL); its requests hear `DeviceLost`.
-    pub fn kill(&self) {
+    fn kill(&self) {
         if let Some(child) = self.child.lock().unwrap().as_mut() {
             let _ = child.start_kill();
         }
     }
 
-    /// Asks the process to end after its current frame.
-    pub async fn shutdown(&self) {
-        let _ = self.send(&ToWorker::Shutdown).await;
+    fn shutdown(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            let _ = self.send(&ToWorker::Shutdown).await;
+        })
     }
 }
 

@@ -4,6 +4,7 @@
 
 pub mod error;
 pub mod openai;
+pub mod sse;
 mod routes;
 
 use std::net::IpAddr;
@@ -95,7 +96,7 @@ impl AppState {
     /// limit from settings applies.
     pub fn limits_now(&self) -> Limits {
         let mut limits = self.limits.clone();
-        if self.dispatcher.supervisor().config().gpu.is_none() {
+        if !self.dispatcher.gpu_configured() {
             limits.context_tokens = limits.context_tokens.min(self.dispatcher.settings().cpu_max_context_tokens as usize);
         }
         limits

@@ -372,7 +372,7 @@ impl HeadroomInfo {
         let o = &c.outcome;
         Self {
             request_id: o.request_id.clone(),
-            device: o.device.clone(),
+            device: o.device.label(),
             simulated: o.simulated,
             degraded: o.degraded,
             degraded_reason: o.degraded_reason.clone(),
@@ -380,7 +380,7 @@ impl HeadroomInfo {
             failovers: o
                 .failovers
                 .iter()
-                .map(|f| FailoverInfo { from: f.from.clone(), to: f.to.clone(), reason: f.reason.clone(), resumed_after_tokens: f.resumed_after_tokens })
+                .map(|f| FailoverInfo { from: f.from.label(), to: f.to.label(), reason: f.reason.clone(), resumed_after_tokens: f.resumed_after_tokens })
                 .collect(),
             queued_ms: c.queued_ms,
             prefill_ms: o.prefill_ms,

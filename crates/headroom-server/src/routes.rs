@@ -15,7 +15,7 @@ use axum::routing::{get, post};
 use axum::Json;
 use futures_util::StreamExt;
 use headroom_memory::Allowances;
-use headroom_router::{CancelOutcome, Completion, RunRequest, StreamEvent, Submission, Ticket};
+use headroom_router::{CancelOutcome, Completion, Lane, Placement, RunRequest, StreamEvent, Submission, Ticket};
 use headroom_worker::Fault;
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -140,60 +140,21 @@ fn header_value(text: &str) -> HeaderValue {
     HeaderValue::from_str(&clean).unwrap_or_else(|_| HeaderValue::from_static("?"))
 }
 
-/// Where a request is (or was) served, and whether that is degraded, for the headers.
-struct Placement {
-    request_id: String,
-    device: String,
-    degraded: bool,
-    degraded_reason: Option<String>,
-    estimated_delay_ms: Option<u64>,
-}
-
-impl Placement {
-    fn at_submit(state: &AppState, ticket: &Ticket) -> Self {
-        let dispatcher = &state.dispatcher;
-        let supervisor = dispatcher.supervisor();
-        let gpu_label = supervisor.config().gpu.as_ref().map(|g| g.device.label());
-        let status = supervisor.status();
-        let (device, degraded, reason) = match (ticket.device_queue.as_str(), &gpu_label) {
-            ("gpu", Some(label)) => (label.clone(), false, None),
-            ("cpu", Some(_)) if status.degraded => ("cpu".into(), true, Some(format!("GPU unavailable: {}", status.reason))),
-            ("cpu", Some(_)) => ("cpu".into(), true, Some(format!("sent to the CPU: {}", ticket.admission))),
-            ("cpu", None) => ("cpu".into(), false, None),
-            _ => {
-                let record = dispatcher.journal().get(&ticket.request_id).ok();
-                (record.and_then(|r| r.device).unwrap_or_else(|| "unknown".into()), status.degraded, status.degraded.then(|| status.reason.clone()))
-            }
-        };
-        let estimated_delay_ms = dispatcher.queues().iter().find(|q| q.device == ticket.device_queue).and_then(|q| q.estimated_delay_ms).or_else(|| dispatcher.estimated_delay_ms());
-        Self { request_id: ticket.request_id.clone(), device, degraded, degraded_reason: reason, estimated_delay_ms }
+/// The router's placement of a request, as response headers.
+fn apply_placement(placement: &Placement, headers: &mut HeaderMap) {
+    headers.insert(REQUEST_ID, header_value(&placement.request_id));
+    headers.insert(DEVICE, header_value(&placement.device));
+    headers.insert(DEGRADED, HeaderValue::from_static(if placement.degraded() { "true" } else { "false" }));
+    if let Some(r) = &placement.degraded_reason {
+        headers.insert(DEGRADED_REASON, header_value(r));
     }
-
-    fn of(c: &Completion) -> Self {
-        Self {
-            request_id: c.outcome.request_id.clone(),
-            device: c.outcome.device.clone(),
-            degraded: c.outcome.degraded,
-            degraded_reason: c.outcome.degraded_reason.clone(),
-            estimated_delay_ms: Some(0),
-        }
-    }
-
-    fn apply(&self, headers: &mut HeaderMap) {
-        headers.insert(REQUEST_ID, header_value(&self.request_id));
-        headers.insert(DEVICE, header_value(&self.device));
-        headers.insert(DEGRADED, HeaderValue::from_static(if self.degraded { "true" } else { "false" }));
-        if let Some(r) = &self.degraded_reason {
-            headers.insert(DEGRADED_REASON, header_value(r));
-        }
-        if let Some(d) = self.estimated_delay_ms {
-            headers.insert(ESTIMATED_DELAY, HeaderValue::from(d));
-        }
+    if let Some(d) = placement.estimated_delay_ms {
+        headers.insert(ESTIMATED_DELAY, HeaderValue::from(d));
     }
 }
 
 fn with_placement(mut response: Response, placement: &Placement) -> Response {
-    placement.apply(response.headers_mut());
+    apply_placement(placement, response.headers_mut());
     response
 }
 
@@ -255,7 +216,7 @@ enum Kind {
 async fn serve(state: Arc<AppState>, headers: &HeaderMap, raw: &Bytes, prepared: Prepared, kind: Kind) -> Result<Response, ApiError> {
     let sub = submission(headers, raw, &prepared)?;
     let ticket = state.dispatcher.submit(sub)?;
-    let placement = Placement::at_submit(&state, &ticket);
+    let placement = state.dispatcher.placement(&ticket);
     if prepared.stream {
         return Ok(with_placement(stream(state, ticket, prepared, kind, &placement), &placement));
     }
@@ -297,7 +258,7 @@ async fn serve(state: Arc<AppState>, headers: &HeaderMap, raw: &Bytes, prepared:
         })
         .into_response(),
     };
-    Ok(with_placement(response, &Placement::of(&completion)))
+    Ok(with_placement(response, &completion.placement()))
 }
 
 /// OpenAI's SSE chunks. A failover mid-stream shows as a `headroom` notice on the next chunk
@@ -309,7 +270,7 @@ fn stream(state: Arc<AppState>, mut ticket: Ticket, prepared: Prepared, kind: Ki
     let model = state.model_id.clone();
     let fingerprint = format!("fp_{}", state.bundle.short_hash());
     let mut device = placement.device.clone();
-    let (degraded, degraded_reason) = (placement.degraded, placement.degraded_reason.clone());
+    let (degraded, degraded_reason) = (placement.degraded(), placement.degraded_reason.clone());
     tokio::spawn(async move {
         let chunk = |choice: Value, headroom: Option<Value>| -> Event {
             let mut c = json!({
@@ -358,7 +319,7 @@ fn stream(state: Arc<AppState>, mut ticket: Ticket, prepared: Prepared, kind: Ki
                     continue;
                 }
             };
-            let notice = (token.device != device).then(|| {
+            let notice = (token.device.label() != device).then(|| {
                 // A fallback model cannot continue another model's text: it starts over.
                 let restarted = token.index == 0 && streamed > 0;
                 let message = if restarted {
@@ -367,7 +328,7 @@ fn stream(state: Arc<AppState>, mut ticket: Ticket, prepared: Prepared, kind: Ki
                     format!("the {device} worker failed; continuing on {} after {} tokens", token.device, token.index)
                 };
                 let n = json!({"notice": if restarted { "restart" } else { "failover" }, "from": device, "to": token.device, "degraded": true, "message": message});
-                device = token.device.clone();
+                device = token.device.label();
                 n
             });
             if hold_text || (token.text.is_empty() && notice.is_none()) {
@@ -503,62 +464,38 @@ pub struct StatusBody {
 }
 
 fn status_body(state: &AppState) -> StatusBody {
-    let d = &state.dispatcher;
-    let supervisor = d.supervisor();
-    let s = supervisor.status();
+    let s = state.dispatcher.status();
     let breaker = serde_json::to_value(s.breaker).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
-    let mut workers = Vec::new();
-    if let Some(gpu) = &supervisor.config().gpu {
-        let w = s.gpu.as_ref();
-        // A worker that has not reported its memory yet cannot be admitted to.
-        let reported = || supervisor.gpu_worker().is_some_and(|w| w.memory().borrow().is_some());
-        let state = match (w, s.breaker) {
-            _ if s.gpu_paused => "paused",
-            (None, _) => "down",
-            (Some(_), headroom_router::BreakerState::Closed) if !reported() => "starting",
-            (Some(_), headroom_router::BreakerState::Closed) => "ready",
-            (Some(_), headroom_router::BreakerState::HalfOpen) => "probing",
-            (Some(_), headroom_router::BreakerState::Open) => "unhealthy",
-        };
-        workers.push(WorkerInfo {
-            kind: "gpu".into(),
-            device: gpu.device.label(),
-            pid: w.map(|w| w.pid),
-            state: state.into(),
-            simulated: gpu.device == headroom_worker::DeviceKind::Sim,
-            model: w.map(|w| w.model.clone()),
-            bundle_hash: w.map(|w| w.bundle_hash.clone()),
-        });
-    }
-    let c = s.cpu.as_ref();
-    workers.push(WorkerInfo {
-        kind: "cpu".into(),
-        device: "cpu".into(),
-        pid: c.map(|w| w.pid),
-        state: if c.is_some() { "ready" } else { "down" }.into(),
-        simulated: false,
-        model: c.map(|w| w.model.clone()),
-        bundle_hash: c.map(|w| w.bundle_hash.clone()),
-    });
-    let gpu_reading = supervisor.gpu_worker().and_then(|w| w.memory().borrow().clone());
-    let budget = d.gpu_budget();
+    let workers = s
+        .workers
+        .iter()
+        .map(|w| WorkerInfo {
+            kind: w.lane.to_string(),
+            device: w.device.label(),
+            pid: w.pid,
+            state: w.state.to_string(),
+            simulated: w.simulated,
+            model: w.model.clone(),
+            bundle_hash: w.bundle_hash.clone(),
+        })
+        .collect();
     let memory = json!({
-        "gpu": gpu_reading,
+        "gpu": s.gpu_memory,
         // What admission works with: the reserve kept free for other programs, and what
         // requests hold (the larger of the router's grants and the worker's last sample).
-        "vram_reserve_bytes": budget.map(|b| b.reserve_bytes),
-        "gpu_held_bytes": budget.map(|b| b.held_bytes),
+        "vram_reserve_bytes": s.gpu_budget.map(|b| b.reserve_bytes),
+        "gpu_held_bytes": s.gpu_budget.map(|b| b.held_bytes),
         "host": headroom_memory::observe::host_memory(),
     });
     StatusBody {
         model: state.model_id.clone(),
-        degraded: s.degraded,
-        degraded_reason: s.degraded.then(|| s.reason.clone()),
+        degraded: s.degraded(),
+        degraded_reason: s.degraded_reason.clone(),
         gpu_paused: s.gpu_paused,
         breaker,
         workers,
-        queues: serde_json::to_value(d.queues()).unwrap_or_default(),
-        estimated_delay_ms: d.estimated_delay_ms(),
+        queues: serde_json::to_value(&s.queues).unwrap_or_default(),
+        estimated_delay_ms: s.estimated_delay_ms,
         memory,
     }
 }
@@ -606,7 +543,7 @@ async fn update_settings(State(state): Shared, body: Result<Bytes, BytesRejectio
 #[utoipa::path(get, path = "/v1/events", description = "Server-sent service events (breaker, degraded, workers, failovers, memory samples, queue depth), one JSON object each, named by their `event` field.", responses((status = 200, description = "text/event-stream")))]
 async fn events(State(state): Shared) -> Sse<impl futures_util::Stream<Item = Result<Event, Infallible>>> {
     let first = Event::default().event("status").data(serde_json::to_string(&status_body(&state)).unwrap_or_default());
-    let live = BroadcastStream::new(state.dispatcher.supervisor().subscribe()).map(|e| {
+    let live = BroadcastStream::new(state.dispatcher.subscribe()).map(|e| {
         Ok(match e {
             Ok(event) => {
                 let value = serde_json::to_value(&event).unwrap_or_default();
@@ -633,14 +570,15 @@ pub struct ReadyBody {
 
 #[utoipa::path(get, path = "/readyz", responses((status = 200, description = "Requests can be served", body = ReadyBody), (status = 503, description = "No worker can serve now", body = ReadyBody)))]
 async fn readyz(State(state): Shared) -> Response {
-    let s = state.dispatcher.supervisor().status();
+    let s = state.dispatcher.status();
     let journal_fault = state.dispatcher.journal_fault();
-    let workers = s.cpu.is_some() || (s.gpu.is_some() && !s.degraded);
+    let running = |lane: Lane| s.workers.iter().any(|w| w.lane == lane && w.pid.is_some());
+    let workers = running(Lane::Cpu) || (running(Lane::Gpu) && !s.degraded());
     let ready = workers && journal_fault.is_none();
     let reason = journal_fault
         .or_else(|| (!workers).then(|| "no worker is running; the CPU worker is restarting".to_string()))
-        .or_else(|| s.degraded.then(|| s.reason.clone()));
-    let body = ReadyBody { ready, degraded: s.degraded, reason };
+        .or_else(|| s.degraded_reason.clone());
+    let body = ReadyBody { ready, degraded: s.degraded(), reason };
     let code = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     (code, Json(body)).into_response()
 }

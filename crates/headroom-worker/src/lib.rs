@@ -12,16 +12,43 @@ use serde::{Deserialize, Serialize};
 pub use protocol::{FailureKind, Fault, FromWorker, GenerateJob, MemoryReading, ToWorker, PROTOCOL_VERSION};
 pub use runtime::{DEVICE_FAULT_EXIT_CODE, RESET_EXIT_CODE};
 
-/// The device a worker computes on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum DeviceKind {
+/// The device a worker computes on. On the wire, in the journal and in every API it is its label
+/// (`cpu`, `sim`, `cuda:0`). A planned CPU/GPU layer split will add a variant holding both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(into = "String", try_from = "String")]
+pub enum Device {
     Cpu,
     /// ndarray compute behind a simulated VRAM capacity with fault injection.
     Sim,
     Cuda(u32),
 }
 
-impl DeviceKind {
+impl From<Device> for String {
+    fn from(device: Device) -> String {
+        device.label()
+    }
+}
+
+impl TryFrom<String> for Device {
+    type Error = String;
+    fn try_from(label: String) -> Result<Self, String> {
+        label.parse()
+    }
+}
+
+impl PartialEq<str> for Device {
+    fn eq(&self, label: &str) -> bool {
+        self.label() == label
+    }
+}
+
+impl PartialEq<&str> for Device {
+    fn eq(&self, label: &&str) -> bool {
+        self.label() == *label
+    }
+}
+
+impl Device {
     pub fn label(&self) -> String {
         match self {
             Self::Cpu => "cpu".into(),
@@ -36,7 +63,7 @@ impl DeviceKind {
     }
 }
 
-impl std::str::FromStr for DeviceKind {
+impl std::str::FromStr for Device {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
@@ -51,7 +78,7 @@ impl std::str::FromStr for DeviceKind {
     }
 }
 
-impl std::fmt::Display for DeviceKind {
+impl std::fmt::Display for Device {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.label())
     }
@@ -60,7 +87,7 @@ impl std::fmt::Display for DeviceKind {
 /// How a worker process is started; the router passes these as `headroom worker` flags.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WorkerOptions {
-    pub device: DeviceKind,
+    pub device: Device,
     /// Requests generated at once.
     pub max_concurrency: u32,
     /// Context limit below the model's own (prompt + max_tokens), if any.
@@ -72,7 +99,7 @@ pub struct WorkerOptions {
 }
 
 impl WorkerOptions {
-    pub fn new(device: DeviceKind) -> Self {
+    pub fn new(device: Device) -> Self {
         Self {
             device,
             max_concurrency: if device.is_gpu() { 4 } else { 1 },

@@ -147,6 +147,9 @@ pub enum FailureKind {
     /// The request itself is wrong (context too long, bad token); replaying cannot help.
     Invalid,
     Internal,
+    /// The device takes no requests now (breaker open, paused from settings, worker
+    /// restarting): set by the router, never sent by a worker.
+    Unavailable,
 }
 
 impl FailureKind {

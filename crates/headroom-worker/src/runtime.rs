@@ -18,7 +18,7 @@ use crate::protocol::{
     MemoryReading, ToWorker, PROTOCOL_VERSION,
 };
 use crate::sim::{FaultState, TokenVerdict};
-use crate::{DeviceKind, WorkerOptions};
+use crate::{Device, WorkerOptions};
 
 /// Exit status of a simulated device reset, so the router's logs can tell it from a crash.
 pub const RESET_EXIT_CODE: i32 = 86;
@@ -75,7 +75,7 @@ struct State {
 /// Runs a worker over the given streams until the router closes them or sends `Shutdown`.
 pub fn run(options: WorkerOptions, input: impl Read, output: impl Write + Send + 'static) -> i32 {
     let ledger = match options.device {
-        DeviceKind::Sim => Some(Ledger::new("sim", options.sim_vram_mib * headroom_memory::MIB)),
+        Device::Sim => Some(Ledger::new("sim", options.sim_vram_mib * headroom_memory::MIB)),
         _ => None,
     };
     let state = Arc::new(State {
@@ -92,7 +92,7 @@ pub fn run(options: WorkerOptions, input: impl Read, output: impl Write + Send +
     state.out.send(&FromWorker::Hello {
         protocol: PROTOCOL_VERSION,
         device: state.options.device.label(),
-        simulated: state.options.device == DeviceKind::Sim,
+        simulated: state.options.device == Device::Sim,
         pid: std::process::id(),
     });
     if state.options.memory_sample_ms > 0 {
@@ -198,11 +198,11 @@ impl State {
     fn load_engine(&self, bundle: &ModelBundle) -> Result<Engine, (FailureKind, String)> {
         let loaded = catch_unwind(AssertUnwindSafe(|| -> Result<Engine, headroom_model::Error> {
             match self.options.device {
-                DeviceKind::Cpu | DeviceKind::Sim => {
+                Device::Cpu | Device::Sim => {
                     Ok(Engine::Cpu(bundle.load(&Default::default(), |_, _| {})?))
                 }
                 #[cfg(feature = "cuda")]
-                DeviceKind::Cuda(index) => {
+                Device::Cuda(index) => {
                     crate::kernel_cache::configure();
                     let device = burn_cuda::CudaDevice::new(index as usize);
                     let model = bundle.load(&device, |_, _| {})?;
@@ -215,7 +215,7 @@ impl State {
                     Ok(Engine::Cuda(model, device))
                 }
                 #[cfg(not(feature = "cuda"))]
-                DeviceKind::Cuda(_) => Err(headroom_model::Error::InvalidRequest(
+                Device::Cuda(_) => Err(headroom_model::Error::InvalidRequest(
                     "this build has no CUDA support; rebuild with the `cuda` feature".into(),
                 )),
             }
@@ -240,7 +240,7 @@ impl State {
     }
 
     fn set_fault(&self, fault: Fault) {
-        if self.options.device != DeviceKind::Sim {
+        if self.options.device != Device::Sim {
             return self.failed(
                 None,
                 FailureKind::Invalid,
@@ -260,7 +260,7 @@ impl State {
     /// Reads the device's memory now (it may wait for the device) and keeps it for health.
     fn read_memory(&self) -> MemoryReading {
         let reading = match self.options.device {
-            DeviceKind::Sim => self.faults.with_device(|| self.memory()),
+            Device::Sim => self.faults.with_device(|| self.memory()),
             _ => self.memory(),
         };
         *self.latest_memory.lock().unwrap() = reading.clone();
@@ -275,13 +275,13 @@ impl State {
             .unwrap_or(0);
         let mut reading = MemoryReading {
             device: self.options.device.label(),
-            simulated: self.options.device == DeviceKind::Sim,
+            simulated: self.options.device == Device::Sim,
             weights_bytes,
             host: headroom_memory::observe::host_memory(),
             ..Default::default()
         };
         match self.options.device {
-            DeviceKind::Sim => {
+            Device::Sim => {
                 let ledger = self.ledger.as_ref().expect("sim has a ledger");
                 let competing = self.faults.competing_bytes();
                 reading.capacity_bytes = Some(ledger.capacity_bytes());
@@ -292,13 +292,13 @@ impl State {
                     .saturating_sub(competing)
                     .saturating_sub(if loaded.is_some() { weights_bytes } else { 0 });
             }
-            DeviceKind::Cpu => {
+            Device::Cpu => {
                 if let Some(host) = reading.host {
                     reading.capacity_bytes = Some(host.total_bytes);
                     reading.used_bytes = Some(host.total_bytes - host.available_bytes);
                 }
             }
-            DeviceKind::Cuda(index) => {
+            Device::Cuda(index) => {
                 reading.gpu = headroom_memory::observe::gpu_memory(index);
                 if let Some(gpu) = &reading.gpu {
                     reading.capacity_bytes = Some(gpu.total_bytes);
@@ -395,7 +395,7 @@ impl State {
             }
             None => None,
         };
-        if self.options.device == DeviceKind::Sim {
+        if self.options.device == Device::Sim {
             // A compilation pending (fault) holds the device now; otherwise wait for the device
             // if another request's compilation holds it.
             self.faults.compile_if_pending();
@@ -412,7 +412,7 @@ impl State {
             Err(panic) => {
                 let (kind, message) = classify_panic(&panic);
                 tracing::error!(request_id = id, ?kind, %message, "generation panicked");
-                (failure(Some(id), kind, message), matches!(self.options.device, DeviceKind::Cuda(_)))
+                (failure(Some(id), kind, message), matches!(self.options.device, Device::Cuda(_)))
             }
         }
     }
@@ -541,7 +541,7 @@ impl State {
             Ok(Err(e)) => Err(e.to_string()),
             Err(panic) => {
                 let (_, message) = classify_panic(&panic);
-                if matches!(self.options.device, DeviceKind::Cuda(_)) {
+                if matches!(self.options.device, Device::Cuda(_)) {
                     self.out.send(&FromWorker::ProbeResult { ok: false, message: message.clone(), probe_ms: 0.0 });
                     self.exit_after_device_fault();
                 }

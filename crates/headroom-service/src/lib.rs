@@ -1,5 +1,9 @@
-//! `headroom serve`: starts the workers, the router and the HTTP server, and shuts them down
-//! gracefully (stop accepting, let running requests finish, leave the rest to the journal).
+//! The service as a library: [`run`] layers the configuration (file, saved settings, flags),
+//! starts the workers under the supervisor, opens the journal, starts the dispatcher and serves
+//! the HTTP API until told to stop, then shuts down gracefully (stop accepting, let running
+//! requests finish, leave the rest to the journal). The `headroom` CLI and the desktop app both
+//! parse [`ServeOptions`] and call it; both binaries also run [`run_worker`] when the supervisor
+//! spawns them as `<exe> worker ...`.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -13,7 +17,54 @@ use headroom_model::device::{probe_cuda, CudaProbe};
 use headroom_model::ModelBundle;
 use headroom_router::{Dispatcher, Journal, QueueConfig, Recovery, Settings, SettingsFile, SupervisionConfig, Supervisor, SupervisorConfig};
 use headroom_server::{AppState, Limits, ServerConfig};
-use headroom_worker::{DeviceKind, WorkerOptions};
+use headroom_worker::{Device, WorkerOptions};
+
+/// Logs to stderr, filtered by `HEADROOM_LOG` (default `warn`). Idempotent.
+pub fn init_logging() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("HEADROOM_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// `<exe> worker ...`: one worker process, as the supervisor spawns it (speaks the worker
+/// protocol on stdio).
+#[derive(clap::Args, Debug)]
+pub struct WorkerArgs {
+    /// cpu, sim (simulated VRAM with fault injection) or cuda:N.
+    #[arg(long)]
+    pub device: String,
+    /// Requests generated at once (default: 4 on a GPU, 1 on the CPU).
+    #[arg(long)]
+    pub max_concurrency: Option<u32>,
+    /// Context limit (prompt + max_tokens) below the model's own.
+    #[arg(long)]
+    pub max_context_tokens: Option<u32>,
+    #[arg(long, default_value_t = 1000)]
+    pub memory_sample_ms: u64,
+    /// Simulated VRAM capacity of the sim device.
+    #[arg(long, default_value_t = 2048)]
+    pub sim_vram_mib: u64,
+}
+
+/// Runs one worker until its stdin closes; returns the process exit code. Never touches CUDA
+/// without a driver.
+pub fn run_worker(args: WorkerArgs) -> Result<i32> {
+    let device: Device = args.device.parse().map_err(anyhow::Error::msg)?;
+    if let Device::Cuda(_) = device {
+        if let CudaProbe::Unavailable { reason } = probe_cuda() {
+            bail!("worker --device {device}: {reason}; use --device cpu or sim");
+        }
+    }
+    let mut options = WorkerOptions::new(device);
+    if let Some(n) = args.max_concurrency {
+        options.max_concurrency = n.max(1);
+    }
+    options.max_context_tokens = args.max_context_tokens;
+    options.memory_sample_ms = args.memory_sample_ms;
+    options.sim_vram_mib = args.sim_vram_mib;
+    Ok(headroom_worker::run_stdio(options))
+}
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 pub enum GpuChoice {
@@ -26,7 +77,7 @@ pub enum GpuChoice {
 }
 
 #[derive(clap::Args, Debug)]
-pub struct ServeArgs {
+pub struct ServeOptions {
     /// Address to bind (default 127.0.0.1). Anything else requires HEADROOM_API_KEY.
     #[arg(long, env = "HEADROOM_HOST")]
     pub host: Option<String>,
@@ -72,7 +123,7 @@ fn default_ui_dir() -> Option<PathBuf> {
 fn gpu_worker(choice: GpuChoice, sim_vram_mib: u64, cuda_device: u32) -> Result<Option<WorkerOptions>> {
     let cuda = |required: bool| -> Result<Option<WorkerOptions>> {
         match probe_cuda() {
-            CudaProbe::Available { .. } if cfg!(feature = "cuda") => Ok(Some(WorkerOptions::new(DeviceKind::Cuda(cuda_device)))),
+            CudaProbe::Available { .. } if cfg!(feature = "cuda") => Ok(Some(WorkerOptions::new(Device::Cuda(cuda_device)))),
             CudaProbe::Available { .. } if required => bail!("--gpu cuda: this headroom was built without the `cuda` feature; rebuild with default features"),
             CudaProbe::Unavailable { reason } if required => bail!("--gpu cuda: {reason}; use --gpu auto, sim or none"),
             CudaProbe::Available { .. } => {
@@ -89,7 +140,7 @@ fn gpu_worker(choice: GpuChoice, sim_vram_mib: u64, cuda_device: u32) -> Result<
         GpuChoice::Auto => cuda(false),
         GpuChoice::Cuda => cuda(true),
         GpuChoice::Sim => {
-            let mut sim = WorkerOptions::new(DeviceKind::Sim);
+            let mut sim = WorkerOptions::new(Device::Sim);
             sim.sim_vram_mib = sim_vram_mib;
             Ok(Some(sim))
         }
@@ -109,24 +160,24 @@ pub struct Running {
 }
 
 /// `headroom serve`: runs until Ctrl-C or SIGTERM.
-pub fn serve(args: ServeArgs) -> Result<()> {
+pub fn serve(args: ServeOptions) -> Result<()> {
     serve_until(args, |_| {}, shutdown_signal())
 }
 
 /// Runs the server on its own tokio runtime until `stop` completes.
 pub fn serve_until(
-    args: ServeArgs,
+    args: ServeOptions,
     on_ready: impl FnOnce(Running) + Send,
     stop: impl std::future::Future<Output = ()> + Send,
 ) -> Result<()> {
-    tokio::runtime::Runtime::new()?.block_on(serve_async(args, on_ready, stop))
+    tokio::runtime::Runtime::new()?.block_on(run(args, on_ready, stop))
 }
 
 /// Runs the server on the caller's runtime until `stop` completes, then shuts down gracefully
 /// (stop accepting, let running requests finish, leave the rest to the journal). `on_ready` is
 /// called once the workers are up and the port is bound.
-pub async fn serve_async(
-    args: ServeArgs,
+pub async fn run(
+    args: ServeOptions,
     on_ready: impl FnOnce(Running) + Send,
     stop: impl std::future::Future<Output = ()> + Send,
 ) -> Result<()> {
@@ -179,7 +230,7 @@ pub async fn serve_async(
     let model_dir = resolve_model_dir(&args.model);
     let bundle = ModelBundle::open(&model_dir).with_context(|| format!("cannot open the model folder {}", model_dir.display()))?;
     let gpu = gpu_worker(args.gpu, args.sim_vram_mib, settings.gpu_device)?;
-    let mut cpu = WorkerOptions::new(DeviceKind::Cpu);
+    let mut cpu = WorkerOptions::new(Device::Cpu);
     cpu.max_concurrency = settings.cpu_max_concurrency;
     cpu.max_context_tokens = Some(settings.cpu_max_context_tokens);
 

@@ -1,0 +1,100 @@
+//! Memory budgets: the GPU's (what the worker reports, less the reserve, less what was granted)
+//! and the host's, and waiting for GPU memory to free.
+
+use super::*;
+
+impl Dispatcher {
+    /// The GPU budget admission uses now (None without a healthy GPU): total, the reserve kept
+    /// for other programs, weights, what requests hold, observed free memory.
+    pub fn gpu_budget(&self) -> Option<Budget> {
+        let s = &self.inner.supervisor;
+        if s.config().gpu.is_none() || s.status().degraded || s.gpu_paused() {
+            return None;
+        }
+        let worker = s.gpu_worker()?;
+        let reading = worker.memory().borrow().clone()?;
+        let total = reading.capacity_bytes?;
+        // Grants made since the worker's last sample are not in its reading yet.
+        let granted = self.inner.gpu_ledger.held_bytes();
+        let unseen = granted.saturating_sub(reading.reserved_bytes);
+        Some(Budget {
+            total_bytes: total,
+            reserve_bytes: self.vram_reserve_bytes(total),
+            weights_bytes: reading.weights_bytes,
+            held_bytes: reading.reserved_bytes.max(granted),
+            observed_free_bytes: reading.used_bytes.map(|u| total.saturating_sub(u).saturating_sub(unseen)),
+        })
+    }
+
+    /// The VRAM kept free for other programs: the settings' reserve, else the config's rule.
+    pub(super) fn vram_reserve_bytes(&self, total: u64) -> u64 {
+        match self.inner.settings.lock().unwrap().vram_reserve_mib {
+            Some(mib) => mib * headroom_memory::MIB,
+            None => self.inner.memory.vram_reserve_bytes(total),
+        }
+    }
+
+    /// Reserves `bytes` of GPU memory if the budget has them now.
+    pub(super) fn try_grant_gpu(&self, id: &str, bytes: u64) -> Option<Reservation> {
+        let _one_at_a_time = self.inner.gpu_grant.lock().unwrap();
+        let budget = self.gpu_budget()?;
+        (bytes <= budget.available_bytes()).then(|| self.inner.gpu_ledger.try_reserve(id, bytes).ok()).flatten()
+    }
+
+    pub(super) fn host_budget(&self) -> Budget {
+        let ledger = &self.inner.host_ledger;
+        let host = headroom_memory::observe::host_memory();
+        // The ledger's capacity already leaves the reserve out; the budget names the reserve
+        // (for reasons) and keeps it out of live free RAM too.
+        let reserve = host.map(|h| self.inner.memory.host_reserve_bytes(h.total_bytes)).unwrap_or(0);
+        Budget {
+            total_bytes: ledger.capacity_bytes() + reserve,
+            reserve_bytes: reserve,
+            weights_bytes: 0,
+            held_bytes: ledger.held_bytes(),
+            observed_free_bytes: host.map(|h| h.available_bytes),
+        }
+    }
+
+    /// Waits (in the GPU lane, holding a GPU slot) until the request's GPU memory is granted.
+    pub(super) async fn wait_for_gpu_memory(&self, sub: &Submission, queued_at: Instant, cancel: &CancelSignal) -> GpuWait {
+        let inner = &self.inner;
+        let request = &sub.run.request;
+        let needs = inner
+            .planner
+            .footprint(RequestShape { prompt_tokens: request.prompt_tokens.len() as u64, max_tokens: request.max_tokens as u64, prefill_chunk: request.prefill_chunk as u64 })
+            .request_bytes();
+        let max_wait = Duration::from_millis(sub.allow.max_wait_ms.unwrap_or(inner.memory.max_queue_wait_ms));
+        loop {
+            if self.gpu_budget().is_none() {
+                return match inner.supervisor.gpu_unavailable() {
+                    Some(why) => GpuWait::Leave { why, cpu_allowed: sub.allow.cpu },
+                    // A healthy GPU without a memory reading yet: run without a grant.
+                    None => GpuWait::Run(None),
+                };
+            }
+            if let Some(r) = self.try_grant_gpu(&sub.run.request_id, needs) {
+                return GpuWait::Run(Some(r));
+            }
+            if queued_at.elapsed() >= max_wait {
+                return GpuWait::Leave {
+                    why: format!("waited {} ms for GPU memory that did not free", queued_at.elapsed().as_millis()),
+                    cpu_allowed: sub.allow.cpu && inner.memory.allow_cpu_redirect,
+                };
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+                _ = cancel.cancelled() => return GpuWait::Cancelled,
+            }
+        }
+    }
+}
+
+/// What waiting for GPU memory came to.
+pub(super) enum GpuWait {
+    /// Run now, with the memory granted (None: a healthy GPU with no memory reading yet).
+    Run(Option<Reservation>),
+    /// Leave the GPU lane: its memory did not free in time, or the GPU is gone.
+    Leave { why: String, cpu_allowed: bool },
+    Cancelled,
+}

@@ -1,0 +1,176 @@
+//! What the service is doing, in one typed snapshot for the HTTP surface and the desktop app:
+//! whether it is degraded and why, each worker's state, the queues, the GPU's memory and budget;
+//! and where one request is served (its response headers).
+
+use headroom_worker::MemoryReading;
+
+use super::*;
+use crate::breaker::BreakerState;
+
+/// A worker as status shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkerState {
+    /// GPU paused from settings: its worker is stopped on purpose.
+    Paused,
+    /// Not running (restarting, or failed to start).
+    Down,
+    /// Running, memory not reported yet: nothing can be admitted to it.
+    Starting,
+    Ready,
+    /// The breaker's half-open probe is running on it.
+    Probing,
+    /// Running, but the breaker is open: it takes no requests.
+    Unhealthy,
+}
+
+impl std::fmt::Display for WorkerState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Paused => "paused",
+            Self::Down => "down",
+            Self::Starting => "starting",
+            Self::Ready => "ready",
+            Self::Probing => "probing",
+            Self::Unhealthy => "unhealthy",
+        })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerSnapshot {
+    pub lane: Lane,
+    pub device: Device,
+    pub pid: Option<u32>,
+    pub state: WorkerState,
+    pub simulated: bool,
+    pub model: Option<String>,
+    pub bundle_hash: Option<String>,
+}
+
+/// The whole service at one moment.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServiceStatus {
+    /// Why GPU requests are served by the CPU now; None while the GPU serves (or there is none).
+    pub degraded_reason: Option<String>,
+    pub breaker: BreakerState,
+    pub gpu_paused: bool,
+    /// The GPU worker (when one is configured), then the CPU worker.
+    pub workers: Vec<WorkerSnapshot>,
+    pub queues: Vec<QueueStatus>,
+    pub estimated_delay_ms: Option<u64>,
+    /// The GPU worker's last memory reading.
+    pub gpu_memory: Option<MemoryReading>,
+    /// What admission works with on the GPU now (None while it takes no requests).
+    pub gpu_budget: Option<Budget>,
+}
+
+impl ServiceStatus {
+    pub fn degraded(&self) -> bool {
+        self.degraded_reason.is_some()
+    }
+}
+
+/// Where a request is (or was) served and whether that is degraded, as its response says.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Placement {
+    pub request_id: String,
+    /// The device label (`cuda:0`, `sim`, `cpu`).
+    pub device: String,
+    pub degraded_reason: Option<String>,
+    pub estimated_delay_ms: Option<u64>,
+}
+
+impl Placement {
+    pub fn degraded(&self) -> bool {
+        self.degraded_reason.is_some()
+    }
+}
+
+impl Completion {
+    /// Where it ran, for its response.
+    pub fn placement(&self) -> Placement {
+        Placement {
+            request_id: self.outcome.request_id.clone(),
+            device: self.outcome.device.label(),
+            degraded_reason: self.outcome.degraded_reason.clone(),
+            estimated_delay_ms: Some(0),
+        }
+    }
+}
+
+impl Dispatcher {
+    /// Whether the service has a GPU worker at all.
+    pub fn gpu_configured(&self) -> bool {
+        self.inner.supervisor.config().gpu.is_some()
+    }
+
+    /// Every service event from now on (breaker, workers, failovers, queues, memory).
+    pub fn subscribe(&self) -> tokio::sync::broadcast::Receiver<crate::ServiceEvent> {
+        self.inner.supervisor.subscribe()
+    }
+
+    /// The service's status now.
+    pub fn status(&self) -> ServiceStatus {
+        let s = &self.inner.supervisor;
+        let device = s.status();
+        let mut workers = Vec::new();
+        if let Some(gpu) = &s.config().gpu {
+            let w = device.gpu.as_ref();
+            // A worker that has not reported its memory yet cannot be admitted to.
+            let reported = || s.gpu_worker().is_some_and(|w| w.memory().borrow().is_some());
+            let state = match (w, device.breaker) {
+                _ if device.gpu_paused => WorkerState::Paused,
+                (None, _) => WorkerState::Down,
+                (Some(_), BreakerState::Closed) if !reported() => WorkerState::Starting,
+                (Some(_), BreakerState::Closed) => WorkerState::Ready,
+                (Some(_), BreakerState::HalfOpen) => WorkerState::Probing,
+                (Some(_), BreakerState::Open) => WorkerState::Unhealthy,
+            };
+            workers.push(snapshot(Lane::Gpu, gpu.device, w, state));
+        }
+        let c = device.cpu.as_ref();
+        workers.push(snapshot(Lane::Cpu, Device::Cpu, c, if c.is_some() { WorkerState::Ready } else { WorkerState::Down }));
+        ServiceStatus {
+            degraded_reason: device.degraded.then(|| device.reason.clone()),
+            breaker: device.breaker,
+            gpu_paused: device.gpu_paused,
+            workers,
+            queues: self.queues(),
+            estimated_delay_ms: self.estimated_delay_ms(),
+            gpu_memory: s.gpu_worker().and_then(|w| w.memory().borrow().clone()),
+            gpu_budget: self.gpu_budget(),
+        }
+    }
+
+    /// Where a just-submitted request will be served, for its response headers: its lane's
+    /// device, and whether that is degraded ([`degradation`]). A ticket attached to a running
+    /// request, or answered from the journal, says where the journal last saw it.
+    pub fn placement(&self, ticket: &Ticket) -> Placement {
+        let s = &self.inner.supervisor;
+        let status = s.status();
+        let gpu = s.config().gpu.as_ref().map(|g| g.device);
+        let (device, degraded_reason) = match (ticket.device_queue, gpu) {
+            (Some(Lane::Gpu), Some(gpu)) => (gpu.label(), None),
+            (Some(lane), _) => (Device::Cpu.label(), degradation(&status, lane == Lane::Cpu, None, Some(&ticket.admission))),
+            (None, _) => {
+                let record = self.inner.journal.get(&ticket.request_id).ok();
+                (record.and_then(|r| r.device).unwrap_or_else(|| "unknown".into()), status.degraded.then(|| status.reason.clone()))
+            }
+        };
+        let lane_delay = ticket.device_queue.and_then(|lane| if lane == Lane::Gpu { &self.inner.gpu } else { &*self.inner.cpu }.estimated_delay_ms());
+        Placement { request_id: ticket.request_id.clone(), device, degraded_reason, estimated_delay_ms: lane_delay.or_else(|| self.estimated_delay_ms()) }
+    }
+}
+
+fn snapshot(lane: Lane, device: Device, worker: Option<&crate::supervisor::WorkerStatus>, state: WorkerState) -> WorkerSnapshot {
+    WorkerSnapshot {
+        lane,
+        device,
+        pid: worker.map(|w| w.pid),
+        state,
+        simulated: device == Device::Sim,
+        model: worker.map(|w| w.model.clone()),
+        bundle_hash: worker.map(|w| w.bundle_hash.clone()),
+    }
+}

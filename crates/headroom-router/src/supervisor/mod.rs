@@ -1,0 +1,448 @@
+//! Supervision: start the GPU and CPU workers, check their health, notice deaths and hangs,
+//! restart the GPU worker with exponential backoff, and drive the circuit breaker through its
+//! probe. Also the first half of dispatch: run a request on the GPU while the breaker is closed
+//! and fail it over to the warm CPU worker (replay, or resume from the last token) when the GPU
+//! fails. The CPU worker's own requests are never touched by anything the GPU does.
+//!
+//! The files: `lifecycle` (the workers' processes: watch, restart, probe, retire), `failover`
+//! (running one request with failover); this one holds the configuration, the status, and the
+//! supervisor's state.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use headroom_model::{Checkpoint, FinishReason, GenerateRequest, SamplerState};
+use headroom_worker::{Device, FailureKind, Fault, FromWorker, GenerateJob, WorkerOptions};
+use serde::{Deserialize, Serialize};
+use tokio::sync::broadcast;
+
+use crate::breaker::{Breaker, BreakerConfig, BreakerState, BreakerTransition, FailureCause};
+use crate::events::{EventKind, ServiceEvent};
+use crate::worker::{ProcessLauncher, Worker, WorkerLauncher, WorkerSpec};
+use crate::{Error, Result};
+
+mod failover;
+mod lifecycle;
+
+pub use failover::{degradation, AttemptError, CancelSignal, FailoverRecord, Progress, RunOutcome, RunRequest, StreamedToken, Target};
+use lifecycle::retire_when_idle;
+
+/// Supervision knobs: the `[supervision]` table of a Headroom config file. Units in the names.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SupervisionConfig {
+    pub health_interval_ms: u64,
+    /// A worker that does not answer a health check within this is hung and is replaced.
+    pub health_timeout_ms: u64,
+    /// A worker that answers its health checks but, with requests running, produces no prefill
+    /// or token for this long is hung too. Longer than any kernel compilation (CUDA compiles
+    /// a shape not seen before for up to tens of seconds: busy, not hung).
+    pub stall_timeout_ms: u64,
+    pub load_timeout_ms: u64,
+    /// First restart delay of the GPU worker; doubles per failed attempt up to the max.
+    pub restart_backoff_initial_ms: u64,
+    pub restart_backoff_max_ms: u64,
+    /// Canary allocation of the half-open probe.
+    pub probe_canary_mib: u64,
+    pub breaker: BreakerConfig,
+}
+
+impl Default for SupervisionConfig {
+    fn default() -> Self {
+        Self {
+            health_interval_ms: 1000,
+            health_timeout_ms: 3000,
+            stall_timeout_ms: 120_000,
+            load_timeout_ms: 300_000,
+            restart_backoff_initial_ms: 250,
+            restart_backoff_max_ms: 30_000,
+            probe_canary_mib: 64,
+            breaker: BreakerConfig::default(),
+        }
+    }
+}
+
+impl SupervisionConfig {
+    /// Parses the `[supervision]` table of a Headroom config file (other tables are ignored).
+    pub fn from_toml(text: &str) -> Result<Self> {
+        crate::config_table(text, "supervision")
+    }
+
+    fn health_interval(&self) -> Duration {
+        Duration::from_millis(self.health_interval_ms)
+    }
+    fn health_timeout(&self) -> Duration {
+        Duration::from_millis(self.health_timeout_ms)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct SupervisorConfig {
+    /// The `headroom` binary whose `worker` subcommand runs a worker.
+    pub program: PathBuf,
+    pub model_dir: PathBuf,
+    /// The GPU worker (`cuda:N` or `sim`); `None` serves from the CPU only.
+    pub gpu: Option<WorkerOptions>,
+    pub cpu: WorkerOptions,
+    /// A smaller model for the CPU worker; responses it serves then say so.
+    pub cpu_fallback_model_dir: Option<PathBuf>,
+    pub supervision: SupervisionConfig,
+    /// Start with the GPU paused (settings): the GPU worker is not started until unpaused.
+    pub gpu_paused: bool,
+    /// Extra environment variables for every worker process.
+    pub worker_env: Vec<(String, String)>,
+    /// How workers start: processes of `program` in the service; in-process in the router's tests.
+    pub launcher: Arc<dyn WorkerLauncher>,
+}
+
+/// What the CPU worker runs: its options and model. Settings change it live
+/// ([`Supervisor::replace_cpu_worker`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CpuSetup {
+    pub options: WorkerOptions,
+    /// A smaller model folder; None: the served model.
+    pub fallback_model_dir: Option<PathBuf>,
+}
+
+impl SupervisorConfig {
+    pub fn new(program: PathBuf, model_dir: PathBuf, gpu: Option<WorkerOptions>) -> Self {
+        Self {
+            program,
+            model_dir,
+            gpu,
+            cpu: WorkerOptions::new(Device::Cpu),
+            cpu_fallback_model_dir: None,
+            supervision: SupervisionConfig::default(),
+            gpu_paused: false,
+            worker_env: Vec::new(),
+            launcher: Arc::new(ProcessLauncher),
+        }
+    }
+}
+
+struct Inner {
+    config: SupervisorConfig,
+    gpu: RwLock<Option<Arc<Worker>>>,
+    cpu: RwLock<Option<Arc<Worker>>>,
+    breaker: Mutex<Breaker>,
+    events: broadcast::Sender<ServiceEvent>,
+    /// Faults that model the environment (a competing program, a slow card) outlive restarts.
+    sim_environment: Mutex<Vec<Fault>>,
+    shutting_down: std::sync::atomic::AtomicBool,
+    /// The CPU worker's options and model now (the config holds those it started with).
+    cpu_setup: RwLock<CpuSetup>,
+    /// One CPU worker replacement at a time.
+    replacing_cpu: tokio::sync::Mutex<()>,
+    /// The GPU paused from settings: nothing new goes to it, and its worker exits once idle.
+    gpu_paused: tokio::sync::watch::Sender<bool>,
+}
+
+#[derive(Clone)]
+pub struct Supervisor {
+    inner: Arc<Inner>,
+}
+
+/// The service's device status, for responses, the UI and `/status`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeviceStatus {
+    /// Whether the service has a GPU worker at all (without one nothing is degraded).
+    #[serde(default)]
+    pub gpu_configured: bool,
+    pub breaker: BreakerState,
+    pub reason: String,
+    pub degraded: bool,
+    /// Paused from settings (the person's choice, not a failure): requests go to the CPU.
+    pub gpu_paused: bool,
+    pub gpu: Option<WorkerStatus>,
+    pub cpu: Option<WorkerStatus>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerStatus {
+    pub device: Device,
+    pub pid: u32,
+    pub simulated: bool,
+    pub model: String,
+    pub bundle_hash: String,
+    pub load_ms: f64,
+}
+
+fn status_of(worker: &Worker) -> WorkerStatus {
+    WorkerStatus {
+        device: worker.device,
+        pid: worker.pid,
+        simulated: worker.ready.simulated,
+        model: worker.ready.model_name.clone(),
+        bundle_hash: worker.ready.bundle_hash.clone(),
+        load_ms: worker.ready.load_ms,
+    }
+}
+
+impl Supervisor {
+    /// Starts the CPU worker (warm) and the GPU worker side by side and checks they hold the same
+    /// bundle (or that a fallback model was asked for). A GPU that fails to start leaves the
+    /// service degraded, not down.
+    pub async fn start(config: SupervisorConfig) -> Result<Supervisor> {
+        let (events, _) = broadcast::channel(1024);
+        let inner = Arc::new(Inner {
+            breaker: Mutex::new(Breaker::new(config.supervision.breaker.clone())),
+            cpu_setup: RwLock::new(CpuSetup { options: config.cpu.clone(), fallback_model_dir: config.cpu_fallback_model_dir.clone() }),
+            replacing_cpu: tokio::sync::Mutex::new(()),
+            gpu_paused: tokio::sync::watch::channel(config.gpu_paused).0,
+            config,
+            gpu: RwLock::new(None),
+            cpu: RwLock::new(None),
+            events,
+            sim_environment: Mutex::new(Vec::new()),
+            shutting_down: false.into(),
+        });
+        let supervisor = Supervisor { inner };
+        let cpu_spec = supervisor.cpu_spec();
+        // A paused GPU's worker starts when it is unpaused.
+        let gpu_spec = supervisor.gpu_spec().filter(|_| !supervisor.gpu_paused());
+        let (cpu, gpu) = tokio::join!(supervisor.inner.config.launcher.launch(&cpu_spec), async {
+            match &gpu_spec {
+                Some(spec) => Some(supervisor.inner.config.launcher.launch(spec).await),
+                None => None,
+            }
+        });
+        let cpu = cpu?;
+        supervisor.announce(&cpu);
+        *supervisor.inner.cpu.write().unwrap() = Some(cpu.clone());
+        match gpu {
+            Some(Ok(gpu)) => {
+                if supervisor.cpu_setup().fallback_model_dir.is_none() && gpu.ready.bundle_hash != cpu.ready.bundle_hash {
+                    return Err(Error::Worker(format!(
+                        "the GPU and CPU workers loaded different models ({} vs {}); point both at one folder or configure a fallback model",
+                        &gpu.ready.bundle_hash[..12.min(gpu.ready.bundle_hash.len())],
+                        &cpu.ready.bundle_hash[..12.min(cpu.ready.bundle_hash.len())]
+                    )));
+                }
+                supervisor.announce(&gpu);
+                *supervisor.inner.gpu.write().unwrap() = Some(gpu);
+            }
+            Some(Err(e)) => {
+                tracing::error!(error = %e, "GPU worker failed to start; serving from the CPU");
+                supervisor.trip(FailureCause::DeviceLost, &format!("GPU worker failed to start: {e}"));
+            }
+            None => {}
+        }
+        if supervisor.inner.config.gpu.is_some() {
+            tokio::spawn(supervisor.clone().watch_gpu());
+        }
+        tokio::spawn(supervisor.clone().watch_cpu());
+        Ok(supervisor)
+    }
+
+    fn cpu_spec(&self) -> WorkerSpec {
+        self.cpu_spec_for(&self.cpu_setup())
+    }
+
+    fn cpu_spec_for(&self, setup: &CpuSetup) -> WorkerSpec {
+        let c = &self.inner.config;
+        WorkerSpec {
+            program: c.program.clone(),
+            options: setup.options.clone(),
+            model_dir: setup.fallback_model_dir.clone().unwrap_or_else(|| c.model_dir.clone()),
+            load_timeout: Duration::from_millis(c.supervision.load_timeout_ms),
+            env: c.worker_env.clone(),
+        }
+    }
+
+    /// The CPU worker's options and model now.
+    pub fn cpu_setup(&self) -> CpuSetup {
+        self.inner.cpu_setup.read().unwrap().clone()
+    }
+
+    /// Replaces the CPU worker with one started from `setup`, without a gap: the new worker
+    /// loads beside the old one, takes new requests once ready, and the old one exits when its
+    /// running requests have finished. If the new one fails to start, the old one stays.
+    pub async fn replace_cpu_worker(&self, setup: CpuSetup) -> Result<()> {
+        let _one_at_a_time = self.inner.replacing_cpu.lock().await;
+        if setup == self.cpu_setup() {
+            return Ok(());
+        }
+        let new = self.inner.config.launcher.launch(&self.cpu_spec_for(&setup)).await?;
+        if setup.fallback_model_dir.is_none() {
+            // Without a fallback model both workers must hold the served model.
+            if let Some(gpu) = self.gpu_worker().filter(|g| g.ready.bundle_hash != new.ready.bundle_hash) {
+                new.kill();
+                return Err(Error::Worker(format!("the new CPU worker loaded another model than the GPU's ({})", gpu.ready.model_name)));
+            }
+        }
+        *self.inner.cpu_setup.write().unwrap() = setup;
+        self.announce(&new);
+        let old = self.inner.cpu.write().unwrap().replace(new);
+        if let Some(old) = old {
+            tokio::spawn(retire_when_idle(old));
+        }
+        Ok(())
+    }
+
+    /// Whether the GPU is paused from settings.
+    pub fn gpu_paused(&self) -> bool {
+        *self.inner.gpu_paused.borrow()
+    }
+
+    /// Why the GPU takes no requests now (paused, breaker not closed, no worker), if it does not.
+    pub fn gpu_unavailable(&self) -> Option<String> {
+        if self.gpu_paused() {
+            return Some("the GPU is paused in settings".into());
+        }
+        let breaker = self.inner.breaker.lock().unwrap();
+        (!breaker.allows_requests() || self.gpu_worker().is_none()).then(|| format!("the GPU is unavailable: {}", breaker.reason()))
+    }
+
+    /// Pauses the GPU (nothing new goes to it; its worker exits once its running requests end,
+    /// freeing its VRAM) or resumes it (the worker starts again).
+    pub fn set_gpu_paused(&self, paused: bool) {
+        if self.inner.gpu_paused.send_replace(paused) != paused && self.inner.config.gpu.is_some() {
+            self.emit(EventKind::GpuPaused {
+                paused,
+                reason: if paused { "GPU paused in settings; requests go to the CPU worker".into() } else { "GPU resumed in settings; its worker is starting".into() },
+            });
+        }
+    }
+
+    fn gpu_spec(&self) -> Option<WorkerSpec> {
+        let c = &self.inner.config;
+        c.gpu.as_ref().map(|options| WorkerSpec {
+            program: c.program.clone(),
+            options: options.clone(),
+            model_dir: c.model_dir.clone(),
+            load_timeout: Duration::from_millis(c.supervision.load_timeout_ms),
+            env: c.worker_env.clone(),
+        })
+    }
+
+    pub fn subscribe(&self) -> broadcast::Receiver<ServiceEvent> {
+        self.inner.events.subscribe()
+    }
+
+    pub(crate) fn emit(&self, kind: EventKind) {
+        if matches!(kind, EventKind::QueueChanged { .. } | EventKind::MemorySample { .. }) {
+            tracing::debug!(event = ?kind, "service event");
+        } else {
+            tracing::info!(event = ?kind, "service event");
+        }
+        let _ = self.inner.events.send(ServiceEvent::now(kind));
+    }
+
+    fn announce(&self, worker: &Worker) {
+        self.emit(EventKind::WorkerStarted {
+            device: worker.device,
+            pid: worker.pid,
+            simulated: worker.ready.simulated,
+            load_ms: worker.ready.load_ms,
+            bundle_hash: worker.ready.bundle_hash.clone(),
+        });
+    }
+
+    fn transition(&self, t: Option<BreakerTransition>) {
+        let Some(t) = t else { return };
+        tracing::warn!(from = ?t.from, to = ?t.to, reason = %t.reason, "breaker");
+        let was_degraded = t.from != BreakerState::Closed;
+        let degraded = t.to != BreakerState::Closed;
+        self.emit(EventKind::BreakerChanged { from: t.from, to: t.to, reason: t.reason.clone() });
+        if was_degraded != degraded {
+            let reason = if degraded {
+                format!("GPU unavailable, serving from the CPU: {}", t.reason)
+            } else {
+                format!("GPU restored: {}", t.reason)
+            };
+            self.emit(EventKind::Degraded { degraded, reason });
+        }
+    }
+
+    fn trip(&self, cause: FailureCause, reason: &str) {
+        let t = self.inner.breaker.lock().unwrap().record_failure(cause, reason, Instant::now());
+        self.transition(t);
+    }
+
+    pub fn status(&self) -> DeviceStatus {
+        let breaker = self.inner.breaker.lock().unwrap();
+        DeviceStatus {
+            gpu_configured: self.inner.config.gpu.is_some(),
+            breaker: breaker.state(),
+            reason: breaker.reason().to_string(),
+            degraded: self.inner.config.gpu.is_some() && !breaker.allows_requests(),
+            gpu_paused: self.inner.config.gpu.is_some() && self.gpu_paused(),
+            gpu: self.inner.gpu.read().unwrap().as_deref().map(status_of),
+            cpu: self.inner.cpu.read().unwrap().as_deref().map(status_of),
+        }
+    }
+
+    pub fn config(&self) -> &SupervisorConfig {
+        &self.inner.config
+    }
+
+    pub fn gpu_worker(&self) -> Option<Arc<Worker>> {
+        self.inner.gpu.read().unwrap().clone()
+    }
+
+    pub fn cpu_worker(&self) -> Option<Arc<Worker>> {
+        self.inner.cpu.read().unwrap().clone()
+    }
+
+    /// Injects a fault into the sim GPU worker. Environment faults (competing workload,
+    /// slowdown) are re-applied to every restarted worker; `Clear` forgets them.
+    pub async fn inject_fault(&self, fault: Fault) -> Result<()> {
+        let worker = self.gpu_worker().ok_or_else(|| Error::Invalid("no GPU worker is running".into()))?;
+        if worker.device != Device::Sim {
+            return Err(Error::Invalid(format!("fault injection needs --gpu sim; the GPU worker is {}", worker.device)));
+        }
+        {
+            let mut env = self.inner.sim_environment.lock().unwrap();
+            match &fault {
+                Fault::Compete { .. } => env.retain(|f| !matches!(f, Fault::Compete { .. })),
+                Fault::Slowdown { .. } => env.retain(|f| !matches!(f, Fault::Slowdown { .. })),
+                Fault::Clear => env.clear(),
+                _ => {}
+            }
+            if matches!(fault, Fault::Compete { .. } | Fault::Slowdown { .. }) {
+                env.push(fault.clone());
+            }
+        }
+        worker.fault(fault).await
+    }
+
+    /// Stops both workers.
+    pub async fn shutdown(&self) {
+        self.inner.shutting_down.store(true, std::sync::atomic::Ordering::SeqCst);
+        for worker in [self.gpu_worker(), self.cpu_worker()].into_iter().flatten() {
+            worker.shutdown().await;
+            worker.kill();
+        }
+    }
+
+    fn shutting_down(&self) -> bool {
+        self.inner.shutting_down.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use super::lifecycle::backoff;
+
+    #[test]
+    fn backoff_doubles_up_to_the_cap() {
+        let mut c = SupervisorConfig::new("headroom".into(), "m".into(), None);
+        c.supervision.restart_backoff_initial_ms = 100;
+        c.supervision.restart_backoff_max_ms = 1000;
+        let delays: Vec<u64> = (0..6).map(|a| backoff(&c, a).as_millis() as u64).collect();
+        assert_eq!(delays, vec![100, 200, 400, 800, 1000, 1000]);
+    }
+
+    #[test]
+    fn supervision_config_reads_its_toml_table_and_rejects_typos() {
+        let c = SupervisionConfig::from_toml("[supervision]\nhealth_timeout_ms = 500\n[supervision.breaker]\ncooldown_ms = 100\n").unwrap();
+        assert_eq!(c.health_timeout_ms, 500);
+        assert_eq!(c.breaker.cooldown_ms, 100);
+        assert_eq!(c.health_interval_ms, SupervisionConfig::default().health_interval_ms);
+        let err = SupervisionConfig::from_toml("[supervision]\nhealth_timeout = 5\n").unwrap_err();
+        assert!(err.to_string().contains("health_timeout"), "{err}");
+    }
+}
