@@ -26,13 +26,15 @@ step "web UI: unit tests (vitest) and build"
 npm --prefix ui test
 npm --prefix ui run build
 
-# One cargo invocation builds every crate but the candle bench, the desktop app included (it embeds
-# ui/dist, built above): `headroom-workspace-hack` unifies the dependencies' features, and the
-# later desktop build selects the same packages, so no dependency is compiled twice.
-step "rust: unit and integration tests of every crate, the desktop app's included (no CUDA needed; the desktop test checks its committed IPC bindings)"
+# One cargo invocation builds every crate but the candle bench, the desktop app and its binary
+# included (it embeds ui/dist, built above; `npm run tauri:build` makes the same binary), so no
+# crate is compiled twice; `headroom-workspace-hack` unifies the dependencies' features across
+# the workspace (so `cargo test` alone and the desktop app agree on them).
+step "rust: unit and integration tests of every crate, the desktop app's included (no CUDA needed; the desktop tests check its committed IPC bindings and its binary)"
 cargo test --workspace --exclude headroom-bench
 
-# `cargo test` built target/debug/headroom (the integration tests run it); the suites below use it.
+# `cargo test` built target/debug/headroom and target/debug/headroom-desktop (integration tests run
+# them); the suites below use them.
 step "python: the openai package against headroom serve (chat, stream, stop, seed, idempotency, cancel, capacity, degraded, kill -9)"
 .venv/bin/python -m pytest -q tests/python
 
@@ -52,9 +54,6 @@ grep -q "pressure run failed: zero duplicate side effects" target/pressure-contr
 
 step "web UI end-to-end: Debian's Chromium (playwright-core) against headroom serve --gpu sim; screenshots in docs/screenshots"
 npm --prefix ui run e2e
-
-step "desktop: the app's binary through the Tauri CLI (the UI, then the app in the dev profile, no bundle)"
-npm run tauri:build
 
 step "desktop end-to-end: the app's real window under Xvfb through tauri-driver and WebKitWebDriver (chat, GPU paused and resumed from Settings, injected OOMs, degraded notice); screenshot in docs/screenshots"
 NO_AT_BRIDGE=1 WEBKIT_DISABLE_COMPOSITING_MODE=1 xvfb-run -a dbus-run-session -- node ui/tests/desktop.mjs
