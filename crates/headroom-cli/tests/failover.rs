@@ -266,11 +266,7 @@ fn request_bytes(request: &RunRequest) -> u64 {
     let bundle = ModelBundle::open(model_dir()).unwrap();
     let (planner, calibration) = headroom_memory::planner_for(&bundle, "cpu", MemoryConfig::default());
     assert!(calibration.measured, "the embedded model ships its CPU calibration: {}", calibration.source);
-    let footprint = planner.footprint(RequestShape {
-        prompt_tokens: request.request.prompt_tokens.len() as u64,
-        max_tokens: request.request.max_tokens as u64,
-        prefill_chunk: request.request.prefill_chunk as u64,
-    });
+    let footprint = planner.footprint(RequestShape::of(&request.request));
     footprint.request_bytes()
 }
 

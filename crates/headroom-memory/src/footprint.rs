@@ -2,7 +2,7 @@
 //! KV cache for prompt + max_tokens, the activation workspace of one prefill chunk (calibrated by
 //! measurement), and a fragmentation margin. Weights are counted once per loaded model.
 
-use headroom_model::LlamaConfig;
+use headroom_model::{GenerateRequest, LlamaConfig};
 use serde::{Deserialize, Serialize};
 
 pub const MIB: u64 = 1024 * 1024;
@@ -186,6 +186,13 @@ pub struct RequestShape {
     pub prompt_tokens: u64,
     pub max_tokens: u64,
     pub prefill_chunk: u64,
+}
+
+impl RequestShape {
+    /// The shape of a generation request: its prompt, its max_tokens, its prefill chunk.
+    pub fn of(request: &GenerateRequest) -> Self {
+        Self { prompt_tokens: request.prompt_tokens.len() as u64, max_tokens: request.max_tokens as u64, prefill_chunk: request.prefill_chunk as u64 }
+    }
 }
 
 /// Predicted memory of one request on one device.

@@ -383,11 +383,7 @@ impl State {
                 if self.faults.take_oom_next_allocation() {
                     return (failure(Some(id), FailureKind::Oom, "simulated out-of-memory allocating the KV cache".into()), false);
                 }
-                let footprint = loaded.planner.footprint(RequestShape {
-                    prompt_tokens: request.prompt_tokens.len() as u64,
-                    max_tokens: request.max_tokens as u64,
-                    prefill_chunk: request.prefill_chunk as u64,
-                });
+                let footprint = loaded.planner.footprint(RequestShape::of(request));
                 match ledger.try_reserve(id, footprint.request_bytes()) {
                     Ok(r) => Some(r),
                     Err(e) => return (failure(Some(id), FailureKind::Oom, format!("out of memory for the KV cache: {e}")), false),

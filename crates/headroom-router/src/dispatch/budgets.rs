@@ -59,11 +59,7 @@ impl Dispatcher {
     /// Waits (in the GPU lane, holding a GPU slot) until the request's GPU memory is granted.
     pub(super) async fn wait_for_gpu_memory(&self, sub: &Submission, queued_at: Instant, cancel: &CancelSignal) -> GpuWait {
         let inner = &self.inner;
-        let request = &sub.run.request;
-        let needs = inner
-            .planner
-            .footprint(RequestShape { prompt_tokens: request.prompt_tokens.len() as u64, max_tokens: request.max_tokens as u64, prefill_chunk: request.prefill_chunk as u64 })
-            .request_bytes();
+        let needs = inner.planner.footprint(RequestShape::of(&sub.run.request)).request_bytes();
         let max_wait = Duration::from_millis(sub.allow.max_wait_ms.unwrap_or(inner.memory.max_queue_wait_ms));
         loop {
             if self.gpu_budget().is_none() {

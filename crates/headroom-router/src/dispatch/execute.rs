@@ -30,11 +30,7 @@ impl Dispatcher {
     /// tokens already delivered).
     pub(super) async fn execute(&self, sub: Submission, start: Start, cancel: CancelSignal, events: mpsc::UnboundedSender<StreamEvent>) -> Result<Completion, Ended> {
         let Start { attempt, on_gpu, gpu_grant, host_reservation, admission } = start;
-        let shape = RequestShape {
-            prompt_tokens: sub.run.request.prompt_tokens.len() as u64,
-            max_tokens: sub.run.request.max_tokens as u64,
-            prefill_chunk: sub.run.request.prefill_chunk as u64,
-        };
+        let shape = RequestShape::of(&sub.run.request);
         let mut x = Execution {
             id: sub.run.request_id.clone(),
             shape,

@@ -135,11 +135,7 @@ impl Dispatcher {
     /// Decides where the request goes and starts it there (attempt `attempt`).
     pub(super) fn launch(&self, mut sub: Submission, attempt: u32) -> Result<Ticket, SubmitError> {
         let id = sub.run.request_id.clone();
-        let shape = RequestShape {
-            prompt_tokens: sub.run.request.prompt_tokens.len() as u64,
-            max_tokens: sub.run.request.max_tokens as u64,
-            prefill_chunk: sub.run.request.prefill_chunk as u64,
-        };
+        let shape = RequestShape::of(&sub.run.request);
         let (admission, gpu_grant, gpu_eta) = self.admit(&id, shape, sub.allow);
         let refuse = |reason: String, retry_after_s: Option<u64>, estimated_delay_ms: Option<u64>| -> SubmitError {
             self.count_end("none", "refused");

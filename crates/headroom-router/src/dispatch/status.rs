@@ -114,15 +114,15 @@ impl Dispatcher {
     pub fn status(&self) -> ServiceStatus {
         let s = &self.inner.supervisor;
         let device = s.status();
+        let gpu_memory = s.gpu_worker().and_then(|w| w.memory().borrow().clone());
         let mut workers = Vec::new();
         if let Some(gpu) = &s.config().gpu {
             let w = device.gpu.as_ref();
-            // A worker that has not reported its memory yet cannot be admitted to.
-            let reported = || s.gpu_worker().is_some_and(|w| w.memory().borrow().is_some());
             let state = match (w, device.breaker) {
                 _ if device.gpu_paused => WorkerState::Paused,
                 (None, _) => WorkerState::Down,
-                (Some(_), BreakerState::Closed) if !reported() => WorkerState::Starting,
+                // A worker that has not reported its memory yet cannot be admitted to.
+                (Some(_), BreakerState::Closed) if gpu_memory.is_none() => WorkerState::Starting,
                 (Some(_), BreakerState::Closed) => WorkerState::Ready,
                 (Some(_), BreakerState::HalfOpen) => WorkerState::Probing,
                 (Some(_), BreakerState::Open) => WorkerState::Unhealthy,
@@ -138,7 +138,7 @@ impl Dispatcher {
             workers,
             queues: self.queues(),
             estimated_delay_ms: self.estimated_delay_ms(),
-            gpu_memory: s.gpu_worker().and_then(|w| w.memory().borrow().clone()),
+            gpu_memory,
             gpu_budget: self.gpu_budget(),
         }
     }

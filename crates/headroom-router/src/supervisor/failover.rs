@@ -180,7 +180,6 @@ impl Supervisor {
         let on_gpu = worker.device.is_gpu();
         let degraded_reason = degradation(&self.status(), !on_gpu, progress.failovers.last(), None);
         let fallback_model = (!on_gpu && self.cpu_setup().fallback_model_dir.is_some()).then(|| worker.ready.model_name.clone());
-        progress.checkpoint = None;
         RunOutcome {
             request_id: run.request_id.clone(),
             device: worker.device,
