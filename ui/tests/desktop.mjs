@@ -33,6 +33,8 @@ const driver = spawn(driverBin, ["--port", String(driverPort), "--native-driver"
   env: {
     ...process.env,
     HEADROOM_GPU: "sim",
+    // The fast fixture; the real default model has its own end-to-end test (tests/python/test_default_model.py).
+    HEADROOM_MODEL: "kjv-demo",
     HEADROOM_PORT: String(apiPort),
     HEADROOM_DATA_DIR: join(dir, "data"),
     HEADROOM_CONFIG: join(dir, "headroom.toml"),

@@ -22,7 +22,7 @@ async function startServer() {
   const dir = mkdtempSync(join(tmpdir(), "headroom-e2e-"));
   // A long breaker cool-down keeps degraded mode on screen long enough to look at.
   writeFileSync(join(dir, "headroom.toml"), "[supervision.breaker]\ncooldown_ms = 60000\n");
-  const child = spawn(headroom, ["serve", "--gpu", "sim", "--port", "0", "--model", "default", "--config", join(dir, "headroom.toml"), "--data-dir", join(dir, "data")], {
+  const child = spawn(headroom, ["serve", "--gpu", "sim", "--port", "0", "--model", "kjv-demo", "--config", join(dir, "headroom.toml"), "--data-dir", join(dir, "data")], {
     env: { ...process.env, HEADROOM_UI_DIR: join(root, "ui/dist") },
     stdio: ["ignore", "pipe", "inherit"],
   });

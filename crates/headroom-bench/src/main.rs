@@ -155,7 +155,7 @@ fn run_candle(dir: &Path, prompt: &[u32], decode: usize, runs: usize) -> Result<
 fn main() -> Result<()> {
     let args = Args::parse();
     let mut folders: Vec<(String, PathBuf)> = Vec::new();
-    let default_dir = headroom_model::bundle::resolve_model_dir("default");
+    let default_dir = headroom_model::bundle::resolve_model(headroom_model::bundle::DEMO_MODEL);
     if default_dir.join("model.safetensors").exists() {
         folders.push(("default (embedded demo)".into(), default_dir));
     }

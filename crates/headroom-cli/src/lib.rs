@@ -6,12 +6,13 @@ use std::path::PathBuf;
 
 mod failover;
 mod memory;
+mod model_tools;
 mod pressure;
 mod pressure_report;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
-use headroom_model::bundle::resolve_model_dir;
+use headroom_model::bundle::resolve_model;
 use headroom_model::device::probe_cuda;
 use headroom_model::{
     generate, CancelToken, CpuBackend, GenerateRequest, Llama, ModelBundle, SamplingParams,
@@ -43,7 +44,7 @@ enum Command {
     Pressure(pressure::PressureArgs),
     /// Generate text from a prompt, streaming tokens to stdout.
     Generate {
-        /// A Hugging Face model folder, or `default` for the embedded demo model.
+        /// `default`, a .gguf file, a Hugging Face folder, or a model name (`kjv-demo`).
         #[arg(long, default_value = "default")]
         model: String,
         #[arg(long)]
@@ -76,6 +77,11 @@ enum Command {
         #[arg(long)]
         ignore_eos: bool,
     },
+    /// Look inside a model (`inspect`), and the probes the reference tests compare with llama.cpp.
+    Model {
+        #[command(subcommand)]
+        what: model_tools::ModelCommand,
+    },
     /// Predict a request's memory and show the admission decision.
     Plan {
         #[arg(long, default_value = "default")]
@@ -107,7 +113,7 @@ enum Command {
         /// Text of `bible gen1:1-rev22:21` (Debian package bible-kjv); `-` reads stdin.
         #[arg(long)]
         corpus: PathBuf,
-        #[arg(long, default_value = "models/default")]
+        #[arg(long, default_value = "models/kjv-demo")]
         out: PathBuf,
         #[arg(long, default_value_t = 80.0)]
         minutes: f64,
@@ -198,6 +204,7 @@ where
             };
             run_generate(args, device)
         }
+        Command::Model { what } => model_tools::run(what),
         Command::Plan { model, config, plan } => {
             let bundle = open_bundle(&model)?;
             let config = headroom_memory::MemoryConfig::load(config.as_deref())?;
@@ -209,7 +216,7 @@ where
         } => memory::bench_memory(&open_bundle(&model)?, !skip_100m, json.as_deref()),
         Command::Bench {
             what: BenchCommand::Failover { model, runs, prompt_tokens, max_tokens, json },
-        } => failover::bench_failover(&resolve_model_dir(&model), runs, prompt_tokens, max_tokens, json.as_deref()),
+        } => failover::bench_failover(&resolve_model(&model), runs, prompt_tokens, max_tokens, json.as_deref()),
         Command::Worker(args) => std::process::exit(headroom_service::run_worker(args)?),
         Command::Train {
             corpus,
@@ -236,8 +243,8 @@ struct GenerateArgs {
     ignore_eos: bool,
 }
 
-fn open_bundle(model: &str) -> Result<ModelBundle> {
-    let dir = resolve_model_dir(model);
+pub(crate) fn open_bundle(model: &str) -> Result<ModelBundle> {
+    let dir = resolve_model(model);
     ModelBundle::open(&dir).with_context(|| format!("cannot open the model in {}", dir.display()))
 }
 
@@ -298,7 +305,7 @@ fn generate_on<B: burn::tensor::backend::Backend>(
             .expect("valid template")
             .progress_chars("=> "),
     );
-    bar.set_message(format!("{} on {device_name}", bundle.dir.display()));
+    bar.set_message(format!("{} on {device_name}", bundle.path.display()));
     let model: Llama<B> = bundle.load(device, |done, _| bar.set_position(done as u64))?;
     bar.finish_and_clear();
 

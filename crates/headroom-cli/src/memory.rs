@@ -92,8 +92,10 @@ pub fn plan(bundle: &ModelBundle, mut config: MemoryConfig, args: PlanArgs) -> R
         println!(
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({
-                "model": bundle.dir.display().to_string(),
+                "model": bundle.path.display().to_string(),
                 "bundle_hash": bundle.hash,
+                "stored": bundle.format,
+                "held_as": "f32",
                 "shape": shape,
                 "request": request,
                 "footprint": footprint,
@@ -107,8 +109,15 @@ pub fn plan(bundle: &ModelBundle, mut config: MemoryConfig, args: PlanArgs) -> R
         );
         return Ok(());
     }
-    println!("model      {} ({} parameters, bundle {})", bundle.dir.display(), shape.parameters, bundle.short_hash());
-    println!("weights    {}", human_bytes(footprint.weights_bytes));
+    println!("model      {} ({} parameters, bundle {})", bundle.path.display(), shape.parameters, bundle.short_hash());
+    println!(
+        "weights    {} as f32 on each device (stored {} {} in {}; converted on load: no kernel for {} yet)",
+        human_bytes(footprint.weights_bytes),
+        bundle.format.container,
+        bundle.format.quantization,
+        human_bytes(bundle.weight_file_bytes),
+        bundle.format.quantization
+    );
     println!(
         "KV cache   {} = {} per token × {} tokens ({} prompt + {} max_tokens)",
         human_bytes(footprint.kv_bytes),
@@ -245,7 +254,7 @@ pub fn calibrate_command(bundle: &ModelBundle, dry_run: bool) -> Result<()> {
             .map(|d| d.as_secs())
             .unwrap_or(0),
     };
-    let path = CalibrationFile::update(&bundle.dir, "cpu", entry).map_err(anyhow::Error::msg)?;
+    let path = CalibrationFile::update(&bundle.path, "cpu", entry).map_err(anyhow::Error::msg)?;
     println!("wrote the cpu entry of {}", path.display());
     Ok(())
 }
@@ -262,7 +271,7 @@ pub fn accuracy(
     let shape = ModelShape::from_config(&bundle.config);
     // The stored calibration is what admission uses, so that is what is checked; a model without
     // one is calibrated here, on points the grid does not use.
-    let stored = headroom_memory::calibration::resolve(&bundle.dir, &bundle.hash, "cpu");
+    let stored = headroom_memory::calibration::resolve(&bundle.path, &bundle.hash, "cpu");
     let (calibration, source) = if stored.measured {
         (stored.calibration, stored.source)
     } else {

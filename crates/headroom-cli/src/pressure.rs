@@ -50,7 +50,8 @@ pub struct PressureArgs {
     /// Where report.json, report.html and the servers' logs go.
     #[arg(long, default_value = "pressure-report")]
     pub out: PathBuf,
-    /// A Hugging Face model folder, or `default` for the embedded demo model.
+    /// `default` (SmolLM2-135M-Instruct, Q4_1), a .gguf file, a Hugging Face folder, or the name of a
+    /// model in the models folder (`kjv-demo`: the 4M-parameter test fixture).
     #[arg(long, default_value = "default")]
     pub model: String,
     /// Run a negative control instead: the agent scenario against a server with a fixed
@@ -885,7 +886,7 @@ pub struct Report {
 }
 
 pub fn pressure(args: PressureArgs) -> Result<()> {
-    let model_dir = headroom_model::bundle::resolve_model_dir(&args.model);
+    let model_dir = headroom_model::bundle::resolve_model(&args.model);
     let bundle = ModelBundle::open(&model_dir).with_context(|| format!("cannot open the model folder {}", model_dir.display()))?;
     std::fs::create_dir_all(&args.out).with_context(|| format!("cannot create {}; pass --out", args.out.display()))?;
     let out = args.out.canonicalize()?;

@@ -30,7 +30,7 @@ async fn api_saving_settings(with_sim_gpu: bool, api_key: Option<&str>, settings
 
 /// An API whose service starts with `settings` in force (as `serve` does with a saved file).
 async fn api_with(with_sim_gpu: bool, api_key: Option<&str>, settings_file: Option<SettingsFile>, settings: Settings) -> Api {
-    let model_dir = headroom_model::bundle::resolve_model_dir("default");
+    let model_dir = headroom_model::bundle::resolve_model(headroom_model::bundle::DEMO_MODEL);
     let sim = with_sim_gpu.then(|| {
         let mut sim = WorkerOptions::new(Device::Sim);
         sim.memory_sample_ms = 0;
@@ -275,7 +275,7 @@ async fn with_an_api_key_only_the_probes_are_open() {
     assert_eq!(api.call("GET", "/v1/models", &[], None).await.status, StatusCode::UNAUTHORIZED);
     assert_eq!(api.call("GET", "/v1/models", &[("authorization", "Bearer wrong")], None).await.status, StatusCode::UNAUTHORIZED);
     let models = api.call("GET", "/v1/models", &[("authorization", "Bearer s3cret")], None).await;
-    assert_eq!(models.json()["data"][0]["id"], "default");
+    assert_eq!(models.json()["data"][0]["id"], "kjv-demo");
     assert_eq!(api.call("GET", "/healthz", &[], None).await.status, StatusCode::OK);
     assert_eq!(api.call("GET", "/readyz", &[], None).await.status, StatusCode::OK);
     // CORS: the desktop app's origin may call the API from a browser context; others may not.

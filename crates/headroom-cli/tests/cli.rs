@@ -11,7 +11,7 @@ fn headroom() -> Command {
 #[test]
 fn generate_streams_text_from_the_embedded_model() {
     let out = headroom()
-        .args(["generate", "--model", "default", "--prompt", "And God said", "--max-tokens", "12", "--device", "auto", "--stats"])
+        .args(["generate", "--model", "kjv-demo", "--prompt", "And God said", "--max-tokens", "12", "--device", "auto", "--stats"])
         .env("HEADROOM_DISABLE_CUDA", "1")
         .output()
         .unwrap();
@@ -87,7 +87,7 @@ fn calibrate_stores_a_measured_workspace_that_plan_then_uses() {
     let dir = std::env::temp_dir().join(format!("headroom-cli-calibrate-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let source = headroom_model::bundle::resolve_model_dir("default");
+    let source = headroom_model::bundle::resolve_model(headroom_model::bundle::DEMO_MODEL);
     for name in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
         std::fs::copy(source.join(name), dir.join(name)).unwrap();
     }

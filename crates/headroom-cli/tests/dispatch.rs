@@ -14,7 +14,7 @@ use headroom_router::{
 use headroom_worker::{Device, Fault, WorkerOptions};
 
 fn model_dir() -> PathBuf {
-    headroom_model::bundle::resolve_model_dir("default")
+    headroom_model::bundle::resolve_model(headroom_model::bundle::DEMO_MODEL)
 }
 
 fn supervisor_config(with_sim_gpu: bool) -> SupervisorConfig {

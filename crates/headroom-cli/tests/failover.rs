@@ -12,7 +12,7 @@ use headroom_worker::{Device, Fault, WorkerOptions};
 use tokio::sync::broadcast;
 
 fn model_dir() -> PathBuf {
-    headroom_model::bundle::resolve_model_dir("default")
+    headroom_model::bundle::resolve_model(headroom_model::bundle::DEMO_MODEL)
 }
 
 fn config() -> SupervisorConfig {

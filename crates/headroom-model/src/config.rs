@@ -30,6 +30,10 @@ pub struct LlamaConfig {
     pub rope_theta: f64,
     #[serde(default)]
     pub rope_scaling: Option<RopeScaling>,
+    /// Per-frequency divisors of the rotary embedding (Llama 3.1+ GGUF files store them as
+    /// `rope_freqs.weight` instead of `rope_scaling`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_freq_factors: Option<Vec<f64>>,
     #[serde(default)]
     pub tie_word_embeddings: bool,
     /// Qwen2 puts biases on q/k/v projections.
@@ -179,6 +183,14 @@ impl LlamaConfig {
 
     /// Inverse frequencies of the rotary embedding, with `rope_scaling` applied.
     pub fn rope_inv_freq(&self) -> Vec<f64> {
+        let freqs = self.scaled_inv_freq();
+        match &self.rope_freq_factors {
+            Some(factors) => freqs.iter().zip(factors.iter().chain(std::iter::repeat(&1.0))).map(|(f, d)| f / d).collect(),
+            None => freqs,
+        }
+    }
+
+    fn scaled_inv_freq(&self) -> Vec<f64> {
         let dim = self.head_dim();
         let base: Vec<f64> = (0..dim / 2)
             .map(|i| 1.0 / self.rope_theta.powf(2.0 * i as f64 / dim as f64))

@@ -54,6 +54,7 @@ pub fn tiny_config() -> LlamaConfig {
         rms_norm_eps: 1e-5,
         rope_theta: 10_000.0,
         rope_scaling: None,
+        rope_freq_factors: None,
         tie_word_embeddings: false,
         attention_bias: Some(false),
         bos_token_id: None,
@@ -184,4 +185,86 @@ pub fn write_random_folder(dir: &Path, config: &LlamaConfig, seed: u64, dtype: S
         serde_json::to_string_pretty(config).expect("config serialises"),
     )?;
     write_tokenizer_files(dir, &byte_tokenizer()?)
+}
+
+/// Converts a folder written by this module (safetensors, byte-level tokenizer, ChatML) into a
+/// GGUF file the way llama.cpp's converter does: llama.cpp's tensor names, q/k rows permuted for
+/// its RoPE, weights in `weight_type` (F32 or Q8_0; norms stay F32), the tokenizer and template
+/// in the metadata. For tests of the GGUF path against the folder it came from.
+pub fn write_gguf_from_folder(dir: &Path, out: &Path, weight_type: crate::quants::GgmlType) -> Result<()> {
+    use crate::gguf::Value;
+    use crate::quants::GgmlType;
+    use crate::weights::{TensorSource, WeightFiles};
+    let bundle = crate::ModelBundle::open(dir)?;
+    let config = &bundle.config;
+    let files = WeightFiles::open(dir)?;
+    let vocab = bundle.tokenizer.get_vocab(true);
+    let mut tokens = vec![String::new(); vocab.len()];
+    for (text, id) in &vocab {
+        tokens[*id as usize] = text.clone();
+    }
+    let specials: Vec<String> = bundle.tokenizer.get_added_tokens_decoder().values().filter(|t| t.special).map(|t| t.content.clone()).collect();
+    let types: Vec<Value> = tokens.iter().map(|t| Value::I32(if specials.contains(t) { 3 } else { 1 })).collect();
+    let eos = bundle.eos_ids.first().copied().unwrap_or(0);
+    let template = bundle.template.as_ref().map(|t| t.source.clone()).unwrap_or_default();
+    let u32v = |v: usize| Value::U32(v as u32);
+    let metadata = vec![
+        ("general.architecture", Value::String("llama".into())),
+        ("llama.context_length", u32v(config.max_position_embeddings)),
+        ("llama.embedding_length", u32v(config.hidden_size)),
+        ("llama.block_count", u32v(config.num_hidden_layers)),
+        ("llama.feed_forward_length", u32v(config.intermediate_size)),
+        ("llama.attention.head_count", u32v(config.num_attention_heads)),
+        ("llama.attention.head_count_kv", u32v(config.kv_heads())),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(config.rms_norm_eps as f32)),
+        ("llama.rope.freq_base", Value::F32(config.rope_theta as f32)),
+        ("tokenizer.ggml.model", Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre", Value::String("default".into())),
+        ("tokenizer.ggml.tokens", Value::Array(tokens.iter().map(|t| Value::String(t.clone())).collect())),
+        ("tokenizer.ggml.token_type", Value::Array(types)),
+        ("tokenizer.ggml.merges", Value::Array(vec![])),
+        ("tokenizer.ggml.eos_token_id", Value::U32(eos)),
+        ("tokenizer.ggml.add_bos_token", Value::Bool(false)),
+        ("tokenizer.chat_template", Value::String(template)),
+    ];
+    let mut names = vec![("model.embed_tokens.weight".to_string(), "token_embd.weight".to_string())];
+    for i in 0..config.num_hidden_layers {
+        for (hf, gguf) in [
+            ("input_layernorm", "attn_norm"),
+            ("self_attn.q_proj", "attn_q"),
+            ("self_attn.k_proj", "attn_k"),
+            ("self_attn.v_proj", "attn_v"),
+            ("self_attn.o_proj", "attn_output"),
+            ("post_attention_layernorm", "ffn_norm"),
+            ("mlp.gate_proj", "ffn_gate"),
+            ("mlp.up_proj", "ffn_up"),
+            ("mlp.down_proj", "ffn_down"),
+        ] {
+            names.push((format!("model.layers.{i}.{hf}.weight"), format!("blk.{i}.{gguf}.weight")));
+        }
+    }
+    names.push(("model.norm.weight".into(), "output_norm.weight".into()));
+    if !config.tie_word_embeddings {
+        names.push(("lm_head.weight".into(), "output.weight".into()));
+    }
+    let mut tensors = Vec::new();
+    for (hf, gguf) in names {
+        let (mut values, shape) = files.read_f32(&hf)?;
+        let heads = if gguf.ends_with("attn_q.weight") {
+            Some(config.num_attention_heads)
+        } else if gguf.ends_with("attn_k.weight") {
+            Some(config.kv_heads())
+        } else {
+            None
+        };
+        if let Some(heads) = heads {
+            values = crate::gguf_model::permute_rows(&values, heads, shape[0], shape[1]);
+        }
+        let (ty, bytes) = match (weight_type, shape.len()) {
+            (GgmlType::Q8_0, 2) => (GgmlType::Q8_0, crate::quants::quantize_q8_0(&values)),
+            _ => (GgmlType::F32, values.iter().flat_map(|v| v.to_le_bytes()).collect()),
+        };
+        tensors.push((gguf, shape, ty, bytes));
+    }
+    crate::gguf::write(out, &metadata, &tensors)
 }

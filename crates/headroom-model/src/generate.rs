@@ -399,3 +399,47 @@ pub fn generate<B: Backend>(
         checkpoint: session.checkpoint(),
     })
 }
+
+/// What the model predicted at each position of a fixed token sequence (teacher forcing): the
+/// top token after `tokens[..=i]` and the negative log-likelihood of `tokens[i + 1]`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct TeacherForced {
+    pub argmax: Vec<u32>,
+    pub nll: Vec<f64>,
+}
+
+impl TeacherForced {
+    /// exp(mean NLL).
+    pub fn perplexity(&self) -> f64 {
+        (self.nll.iter().sum::<f64>() / self.nll.len().max(1) as f64).exp()
+    }
+}
+
+/// Feeds `tokens` one at a time through the serving decode path (KV cache, the CPU decode
+/// step where it applies) and scores every position.
+pub fn teacher_forced<B: Backend>(model: &Llama<B>, config: &crate::LlamaConfig, tokens: &[u32]) -> Result<TeacherForced> {
+    if tokens.len() > config.max_position_embeddings {
+        return Err(Error::InvalidRequest(format!("{} tokens do not fit the context of {}", tokens.len(), config.max_position_embeddings)));
+    }
+    if let Some(bad) = tokens.iter().find(|&&t| t as usize >= config.vocab_size) {
+        return Err(Error::InvalidRequest(format!("token id {bad} is outside the vocabulary of {}", config.vocab_size)));
+    }
+    let device = model.embed_tokens.weight.device();
+    let rope = RopeTables::new(config, tokens.len().max(1), &device);
+    let mut cache = KvCache::new(config, tokens.len().max(1), &device);
+    let mut out = TeacherForced { argmax: Vec::new(), nll: Vec::new() };
+    for (i, &token) in tokens.iter().enumerate() {
+        let logits = model.step(&[token], &rope, &mut cache);
+        let (best, _) = logits
+            .iter()
+            .enumerate()
+            .fold((0, f32::NEG_INFINITY), |(bi, bv), (j, &v)| if v > bv { (j, v) } else { (bi, bv) });
+        out.argmax.push(best as u32);
+        if let Some(&next) = tokens.get(i + 1) {
+            let max = logits[best] as f64;
+            let log_sum = logits.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln() + max;
+            out.nll.push(log_sum - logits[next as usize] as f64);
+        }
+    }
+    Ok(out)
+}

@@ -9,7 +9,10 @@ mod cpu_decode;
 pub mod device;
 pub mod fixture;
 pub mod generate;
+pub mod gguf;
+pub mod gguf_model;
 pub mod model;
+pub mod quants;
 pub mod sampler;
 pub mod template;
 pub mod weights;
@@ -19,11 +22,11 @@ pub use weights::StoreDtype;
 #[cfg(feature = "train")]
 pub mod train;
 
-pub use bundle::{ModelBundle, DEFAULT_MODEL_DIR};
+pub use bundle::{resolve_model, ModelBundle, WeightFormat};
 pub use config::LlamaConfig;
 pub use generate::{
     generate, CancelToken, Checkpoint, FinishReason, GenerateRequest, Generation, PromptInput,
-    PromptSource, Session, StreamEvent,
+    PromptSource, Session, StreamEvent, TeacherForced, teacher_forced,
 };
 pub use model::{KvCache, Llama, RopeTables};
 pub use sampler::{Sampler, SamplerState, SamplingParams};
@@ -37,6 +40,8 @@ pub type CpuBackend = burn_ndarray::NdArray<f32>;
 pub enum Error {
     #[error("model folder {path}: {reason}")]
     Folder { path: String, reason: String },
+    #[error("{path} {reason}")]
+    Gguf { path: String, reason: String },
     #[error("config: {0}")]
     Config(String),
     #[error("weights: {0}")]
@@ -64,3 +69,9 @@ pub enum Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Whether a test switched a known defect back on (`HEADROOM_TEST_DEFECT`, comma-separated), so a
+/// negative control can prove its check fails without the fix. Never set outside tests.
+pub fn test_defect(name: &str) -> bool {
+    std::env::var("HEADROOM_TEST_DEFECT").is_ok_and(|v| v.split(',').any(|d| d == name))
+}

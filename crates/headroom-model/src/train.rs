@@ -202,6 +202,7 @@ pub fn demo_config(options: &TrainOptions, tokenizer: &Tokenizer) -> LlamaConfig
         rms_norm_eps: 1e-5,
         rope_theta: 10_000.0,
         rope_scaling: None,
+        rope_freq_factors: None,
         tie_word_embeddings: true,
         attention_bias: Some(false),
         bos_token_id: Some(TokenIds::One(eos)),

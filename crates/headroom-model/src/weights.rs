@@ -76,9 +76,29 @@ impl WeightFiles {
     pub fn contains(&self, name: &str) -> bool {
         self.index.contains_key(name)
     }
+}
 
+/// Where a model's tensors come from, under Hugging Face names and `[out, in]` layouts:
+/// safetensors files ([`WeightFiles`]) or a GGUF file.
+pub trait TensorSource {
     /// Reads a tensor as f32 with its shape.
-    pub fn read_f32(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)> {
+    fn read_f32(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)>;
+
+    /// Reads a tensor and checks its shape.
+    fn read_shaped(&self, name: &str, expected: &[usize]) -> Result<Vec<f32>> {
+        let (values, shape) = self.read_f32(name)?;
+        if shape != expected {
+            return Err(Error::Weights(format!(
+                "tensor `{name}` has shape {shape:?} but the model's configuration implies {expected:?}; \
+                 the weights and the configuration do not belong together"
+            )));
+        }
+        Ok(values)
+    }
+}
+
+impl TensorSource for WeightFiles {
+    fn read_f32(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)> {
         let &file = self
             .index
             .get(name)
@@ -112,18 +132,6 @@ impl WeightFiles {
         };
         Ok((values, view.shape().to_vec()))
     }
-
-    /// Reads a tensor and checks its shape.
-    fn read_shaped(&self, name: &str, expected: &[usize]) -> Result<Vec<f32>> {
-        let (values, shape) = self.read_f32(name)?;
-        if shape != expected {
-            return Err(Error::Weights(format!(
-                "tensor `{name}` has shape {shape:?} but config.json implies {expected:?}; \
-                 the weights and config.json do not belong together"
-            )));
-        }
-        Ok(values)
-    }
 }
 
 fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
@@ -147,7 +155,7 @@ fn param1<B: Backend>(values: Vec<f32>, device: &B::Device) -> Param<Tensor<B, 1
 
 /// A linear layer from a Hugging Face `[out, in]` weight (burn stores `[in, out]`).
 fn load_linear<B: Backend>(
-    files: &WeightFiles,
+    files: &impl TensorSource,
     prefix: &str,
     d_in: usize,
     d_out: usize,
@@ -165,7 +173,7 @@ fn load_linear<B: Backend>(
 }
 
 fn load_norm<B: Backend>(
-    files: &WeightFiles,
+    files: &impl TensorSource,
     name: &str,
     config: &LlamaConfig,
     device: &B::Device,
@@ -178,7 +186,7 @@ fn load_norm<B: Backend>(
 
 /// Builds the model from a folder's weights, checking every shape against `config`.
 pub fn load_llama<B: Backend>(
-    files: &WeightFiles,
+    files: &impl TensorSource,
     config: &LlamaConfig,
     device: &B::Device,
     mut on_layer: impl FnMut(usize, usize),

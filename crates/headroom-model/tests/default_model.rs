@@ -4,7 +4,7 @@ use headroom_model::{generate, CancelToken, CpuBackend, GenerateRequest, ModelBu
 
 #[test]
 fn default_model_greedy_output_is_stable() {
-    let bundle = ModelBundle::open(headroom_model::DEFAULT_MODEL_DIR).unwrap();
+    let bundle = ModelBundle::open(headroom_model::bundle::resolve_model(headroom_model::bundle::DEMO_MODEL)).unwrap();
     let model = bundle.load::<CpuBackend>(&Default::default(), |_, _| {}).unwrap();
     let prompt = bundle.encode("And God said", true).unwrap();
     let request = GenerateRequest::new(prompt, 24, SamplingParams::default());
@@ -17,7 +17,7 @@ fn default_model_greedy_output_is_stable() {
 
 #[test]
 fn default_model_answers_in_chat_format_and_stops_at_im_end() {
-    let bundle = ModelBundle::open(headroom_model::DEFAULT_MODEL_DIR).unwrap();
+    let bundle = ModelBundle::open(headroom_model::bundle::resolve_model(headroom_model::bundle::DEMO_MODEL)).unwrap();
     let model = bundle.load::<CpuBackend>(&Default::default(), |_, _| {}).unwrap();
     let template = bundle.template.as_ref().expect("demo model ships a chat template");
     let text = template

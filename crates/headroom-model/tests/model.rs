@@ -2,6 +2,7 @@
 
 use burn::tensor::{Int, Tensor, TensorData};
 use headroom_model::fixture::{tiny_config, write_random_folder};
+use headroom_model::weights::TensorSource;
 use headroom_model::{
     generate, CancelToken, CpuBackend, Error, GenerateRequest, Llama, ModelBundle, RopeTables,
     SamplingParams, Session, StoreDtype,

@@ -462,6 +462,32 @@ pub struct ModelCard {
     pub object: String,
     pub created: u64,
     pub owned_by: String,
+    /// Headroom's own: what the model is and whether this server serves it.
+    pub headroom: ModelDetails,
+}
+
+/// A model as Headroom holds it. Other models in the models folder are listed with `served: false`
+/// (start `headroom serve --model NAME` to serve one) and only what their name tells.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ModelDetails {
+    pub served: bool,
+    pub path: String,
+    /// `gguf` or `safetensors`.
+    pub format: String,
+    /// The type most weight bytes are stored in (`Q4_1`, `Q8_0`, `F32`, …).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub quantization: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub architecture: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parameters: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub file_bytes: Option<u64>,
+    /// Bytes of weights each worker holds (f32 until quantized kernels land).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resident_bytes_per_worker: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub context_tokens: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]

@@ -380,11 +380,56 @@ fn stream(state: Arc<AppState>, mut ticket: Ticket, prepared: Prepared, kind: Ki
     Sse::new(ReceiverStream::new(rx)).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))).into_response()
 }
 
-#[utoipa::path(get, path = "/v1/models", responses((status = 200, description = "The served model", body = ModelList)))]
+/// The served model first, with what it is; then the other models installed in the models folder.
+fn model_cards(state: &AppState) -> Vec<openai::ModelCard> {
+    let bundle = &state.bundle;
+    let config = &bundle.config;
+    let card = |id: String, headroom: openai::ModelDetails| openai::ModelCard { id, object: "model".into(), created: state.created_unix, owned_by: "headroom".into(), headroom };
+    let parameters = config.parameter_count() as u64;
+    let mut cards = vec![card(
+        state.model_id.clone(),
+        openai::ModelDetails {
+            served: true,
+            path: bundle.path.display().to_string(),
+            format: bundle.format.container.clone(),
+            quantization: Some(bundle.format.quantization.clone()),
+            architecture: Some(config.model_type.clone()),
+            parameters: Some(parameters),
+            file_bytes: Some(bundle.weight_file_bytes),
+            resident_bytes_per_worker: Some(parameters * 4),
+            context_tokens: Some(config.max_position_embeddings as u64),
+        },
+    )];
+    for path in headroom_model::bundle::installed_models() {
+        if path.canonicalize().ok() == bundle.path.canonicalize().ok() {
+            continue;
+        }
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let gguf = name.ends_with(".gguf");
+        let id = name.strip_suffix(".gguf").unwrap_or(&name).to_owned();
+        cards.push(card(
+            id,
+            openai::ModelDetails {
+                served: false,
+                path: path.display().to_string(),
+                format: if gguf { "gguf" } else { "safetensors" }.into(),
+                quantization: None,
+                architecture: None,
+                parameters: None,
+                file_bytes: if gguf { std::fs::metadata(&path).ok().map(|m| m.len()) } else { None },
+                resident_bytes_per_worker: None,
+                context_tokens: None,
+            },
+        ));
+    }
+    cards
+}
+
+#[utoipa::path(get, path = "/v1/models", responses((status = 200, description = "The served model first, then the other installed models", body = ModelList)))]
 async fn models(State(state): Shared) -> Json<ModelList> {
     Json(ModelList {
         object: "list".into(),
-        data: vec![openai::ModelCard { id: state.model_id.clone(), object: "model".into(), created: state.created_unix, owned_by: "headroom".into() }],
+        data: model_cards(&state),
     })
 }
 

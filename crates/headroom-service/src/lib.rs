@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::ValueEnum;
 use headroom_memory::MemoryConfig;
-use headroom_model::bundle::resolve_model_dir;
+use headroom_model::bundle::resolve_model;
 use headroom_model::device::{probe_cuda, CudaProbe};
 use headroom_model::ModelBundle;
 use headroom_router::{Dispatcher, Journal, QueueConfig, Recovery, Settings, SettingsFile, SupervisionConfig, Supervisor, SupervisorConfig};
@@ -84,7 +84,8 @@ pub struct ServeOptions {
     /// Port (default 8080; 0 picks a free one and prints it).
     #[arg(long, env = "HEADROOM_PORT")]
     pub port: Option<u16>,
-    /// A Hugging Face model folder, or `default` for the embedded demo model.
+    /// `default` (SmolLM2-135M-Instruct, Q4_1), a .gguf file, a Hugging Face folder, or the name of a
+    /// model in the models folder (`kjv-demo`: the 4M-parameter test fixture).
     #[arg(long, env = "HEADROOM_MODEL", default_value = "default")]
     pub model: String,
     #[arg(long, value_enum, env = "HEADROOM_GPU", default_value_t = GpuChoice::Auto)]
@@ -227,7 +228,7 @@ pub async fn run(
         settings.vram_reserve_mib = Some(mib);
     }
 
-    let model_dir = resolve_model_dir(&args.model);
+    let model_dir = resolve_model(&args.model);
     let bundle = ModelBundle::open(&model_dir).with_context(|| format!("cannot open the model folder {}", model_dir.display()))?;
     let gpu = gpu_worker(args.gpu, args.sim_vram_mib, settings.gpu_device)?;
     let mut cpu = WorkerOptions::new(Device::Cpu);

@@ -252,7 +252,7 @@ impl WorkerLink for Link {
 }
 
 pub fn model_dir() -> PathBuf {
-    headroom_model::bundle::resolve_model_dir("default")
+    headroom_model::bundle::resolve_model(headroom_model::bundle::DEMO_MODEL)
 }
 
 /// A sim GPU worker with `gpu_slots` slots and a one-slot CPU worker, both in-process.
