@@ -259,3 +259,83 @@ def test_control_kept_qk_permutation_breaks_agreement(random_models):
     path = random_models["Q8_0"]
     top1, ppl_ours, ppl_theirs, _ = agreement(path, llama(path), env=defect("keep-qk-permutation"), sampled_text=True)
     assert top1 < 0.98 or abs(ppl_ours / ppl_theirs - 1) > 0.01, f"with q/k rows left permuted, agreement was {top1:.2%}: the check cannot fail"
+
+
+def byte_level_to_text():
+    """GPT-2's byte-to-character table, inverted: a byte-level token back to its bytes."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+def write_sentencepiece_llama(path, source):
+    """A one-layer Llama whose tokenizer is SentencePiece-style (`tokenizer.ggml.model = llama`,
+    as Llama 2, TinyLlama and Mistral ship): <unk>, <s>, </s>, the 256 byte tokens, then the
+    default model's pieces as text with `▁` for spaces, scored by merge rank. Only llama.cpp's
+    tokenizer is exercised (it is loaded vocabulary-only)."""
+    reader = GGUFReader(source)
+    field = reader.fields["tokenizer.ggml.tokens"]
+    table = byte_level_to_text()
+    pieces, seen = [], set()
+    for i in field.data:
+        token = bytes(field.parts[i]).decode()
+        if token.startswith("<|") or not all(c in table for c in token):
+            continue
+        try:
+            text = bytes(table[c] for c in token).decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        piece = text.replace(" ", "▁")
+        if piece and piece not in seen and not (piece.startswith("<0x") and piece.endswith(">")):
+            seen.add(piece)
+            pieces.append(piece)
+    # Like a trained SentencePiece vocabulary, it holds every character its pieces are made of
+    # (scored below every longer piece).
+    chars = sorted({c for piece in pieces for c in piece} - seen)
+    pieces += chars
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(pieces))]
+    vocab, hidden = len(tokens), 64
+    w = GGUFWriter(path, "llama")
+    w.add_context_length(512)
+    w.add_embedding_length(hidden)
+    w.add_block_count(1)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_head_count_kv(4)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_scores(scores)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    rng = np.random.default_rng(3)
+    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,), "blk.0.attn_norm.weight": (hidden,),
+              "blk.0.attn_q.weight": (hidden, hidden), "blk.0.attn_k.weight": (hidden, hidden), "blk.0.attn_v.weight": (hidden, hidden),
+              "blk.0.attn_output.weight": (hidden, hidden), "blk.0.ffn_norm.weight": (hidden,), "blk.0.ffn_gate.weight": (128, hidden),
+              "blk.0.ffn_up.weight": (128, hidden), "blk.0.ffn_down.weight": (hidden, 128)}
+    for name, shape in shapes.items():
+        w.add_tensor(name, rng.normal(0, 0.02, shape).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_sentencepiece_token_ids_equal_llama_cpp(tmp_path, default_model):
+    path = tmp_path / "sentencepiece-llama.gguf"
+    write_sentencepiece_llama(path, default_model)
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    mismatches, total = tokenizer_mismatches(path, llm)
+    assert not mismatches, f"SentencePiece: {len(mismatches)} of {total} strings tokenize differently, e.g. {mismatches[:3]}"
+    # The negative control: without SentencePiece's leading space the ids must differ.
+    mismatches, _ = tokenizer_mismatches(path, llm, env=defect("no-space-prefix"))
+    assert mismatches, "with the space prefix switched off, token ids still matched llama.cpp: the check cannot fail"

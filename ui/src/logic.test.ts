@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { applyChunk, emptyReply, formatDelay, MemoryHistory, settingsForm, settingsPatch, splitSse, statusView } from "./logic";
+import { applyChunk, emptyReply, formatDelay, MemoryHistory, modelLine, settingsForm, settingsPatch, splitSse, statusView } from "./logic";
 
 const gpuWorker = { kind: "gpu", device: "sim", state: "ready", simulated: true };
 const cpuWorker = { kind: "cpu", device: "cpu", state: "ready", simulated: false };
@@ -116,5 +116,15 @@ describe("delay", () => {
     expect(formatDelay(400)).toBe("about 400 ms");
     expect(formatDelay(4200)).toBe("about 4 s");
     expect(formatDelay(180_000)).toBe("about 3 min");
+  });
+});
+
+describe("modelLine", () => {
+  it("names the served model, its format and quantization, parameters and file size", () => {
+    const status = { model: "SmolLM2-135M-Instruct.Q4_1", model_info: { format: "gguf", quantization: "Q4_1", parameters: 134515008, file_bytes: 98362432 } };
+    expect(modelLine(status)).toBe("SmolLM2-135M-Instruct.Q4_1 · GGUF Q4_1 · 135M parameters · 98 MB");
+    expect(statusView({ ...status, workers: [] }).model).toBe(modelLine(status));
+    expect(modelLine({ model: "kjv-demo" })).toBe("kjv-demo");
+    expect(modelLine({})).toBeNull();
   });
 });

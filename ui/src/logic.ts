@@ -13,6 +13,25 @@ export interface StatusView {
   simulated: boolean;
   gpuDevice: string | null;
   estimatedDelayMs: number | null;
+  /** The served model: name, format and quantization, parameters and file size. */
+  model: string | null;
+}
+
+function formatCount(n: number): string {
+  if (n >= 1e9) return `${(n / 1e9).toFixed(1)}B`;
+  if (n >= 1e6) return `${Math.round(n / 1e6)}M`;
+  return `${Math.round(n / 1e3)}K`;
+}
+
+/** "SmolLM2-135M-Instruct.Q4_1 · GGUF Q4_1 · 135M parameters · 98 MB" from `/v1/status`. */
+export function modelLine(status: Json): string | null {
+  if (typeof status.model !== "string") return null;
+  const info: Json = status.model_info ?? {};
+  const parts = [status.model];
+  if (info.format) parts.push(`${String(info.format).toUpperCase()}${info.quantization ? ` ${info.quantization}` : ""}`);
+  if (typeof info.parameters === "number") parts.push(`${formatCount(info.parameters)} parameters`);
+  if (typeof info.file_bytes === "number") parts.push(`${Math.round(info.file_bytes / 1e6)} MB`);
+  return parts.join(" · ");
 }
 
 /** The status bar: GPU healthy, degraded (CPU serving GPU requests) or unavailable, and why. */
@@ -20,7 +39,7 @@ export function statusView(status: Json): StatusView {
   const workers: Json[] = status.workers ?? [];
   const gpu = workers.find((w) => w.kind === "gpu");
   const delay = typeof status.estimated_delay_ms === "number" ? status.estimated_delay_ms : null;
-  const base = { simulated: !!gpu?.simulated, gpuDevice: gpu?.device ?? null, estimatedDelayMs: delay };
+  const base = { simulated: !!gpu?.simulated, gpuDevice: gpu?.device ?? null, estimatedDelayMs: delay, model: modelLine(status) };
   if (!gpu) {
     return { ...base, health: "cpu-only", label: "CPU only", reason: "no GPU worker is configured" };
   }

@@ -380,26 +380,28 @@ fn stream(state: Arc<AppState>, mut ticket: Ticket, prepared: Prepared, kind: Ki
     Sse::new(ReceiverStream::new(rx)).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))).into_response()
 }
 
+fn served_model_details(state: &AppState) -> openai::ModelDetails {
+    let bundle = &state.bundle;
+    let config = &bundle.config;
+    let parameters = config.parameter_count() as u64;
+    openai::ModelDetails {
+        served: true,
+        path: bundle.path.display().to_string(),
+        format: bundle.format.container.clone(),
+        quantization: Some(bundle.format.quantization.clone()),
+        architecture: Some(config.model_type.clone()),
+        parameters: Some(parameters),
+        file_bytes: Some(bundle.weight_file_bytes),
+        resident_bytes_per_worker: Some(parameters * 4),
+        context_tokens: Some(config.max_position_embeddings as u64),
+    }
+}
+
 /// The served model first, with what it is; then the other models installed in the models folder.
 fn model_cards(state: &AppState) -> Vec<openai::ModelCard> {
     let bundle = &state.bundle;
-    let config = &bundle.config;
     let card = |id: String, headroom: openai::ModelDetails| openai::ModelCard { id, object: "model".into(), created: state.created_unix, owned_by: "headroom".into(), headroom };
-    let parameters = config.parameter_count() as u64;
-    let mut cards = vec![card(
-        state.model_id.clone(),
-        openai::ModelDetails {
-            served: true,
-            path: bundle.path.display().to_string(),
-            format: bundle.format.container.clone(),
-            quantization: Some(bundle.format.quantization.clone()),
-            architecture: Some(config.model_type.clone()),
-            parameters: Some(parameters),
-            file_bytes: Some(bundle.weight_file_bytes),
-            resident_bytes_per_worker: Some(parameters * 4),
-            context_tokens: Some(config.max_position_embeddings as u64),
-        },
-    )];
+    let mut cards = vec![card(state.model_id.clone(), served_model_details(state))];
     for path in headroom_model::bundle::installed_models() {
         if path.canonicalize().ok() == bundle.path.canonicalize().ok() {
             continue;
@@ -494,6 +496,8 @@ pub struct WorkerInfo {
 #[derive(Serialize, ToSchema)]
 pub struct StatusBody {
     pub model: String,
+    /// What the served model is: format, quantization, parameters, sizes.
+    pub model_info: openai::ModelDetails,
     pub degraded: bool,
     pub degraded_reason: Option<String>,
     /// The GPU is paused in settings: requests go to the CPU worker by choice, not failure.
@@ -534,6 +538,7 @@ fn status_body(state: &AppState) -> StatusBody {
     });
     StatusBody {
         model: state.model_id.clone(),
+        model_info: served_model_details(state),
         degraded: s.degraded(),
         degraded_reason: s.degraded_reason.clone(),
         gpu_paused: s.gpu_paused,
