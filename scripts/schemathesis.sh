@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Fuzzes every documented endpoint of a real `headroom serve` (CPU only, embedded model) with
+# Fuzzes every documented endpoint of a real `headroom serve` (CPU only, the kjv-demo fixture) with
 # schemathesis: any 5xx or a dead server fails. /v1/events is an endless stream: left out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 data="$(mktemp -d)"
 log="$data/serve.log"
-./target/debug/headroom serve --gpu none --port 0 --data-dir "$data" >"$data/out" 2>"$log" &
+./target/debug/headroom serve --gpu none --model kjv-demo --port 0 --data-dir "$data" >"$data/out" 2>"$log" &
 pid=$!
 trap 'kill $pid 2>/dev/null || true; wait $pid 2>/dev/null || true' EXIT
 url=""

@@ -43,14 +43,14 @@ fn a_missing_model_folder_names_the_problem() {
         .unwrap();
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("/nonexistent/model") && stderr.contains("is not a folder"), "{stderr}");
+    assert!(stderr.contains("/nonexistent/model") && stderr.contains("does not exist") && stderr.contains("kjv-demo"), "{stderr}");
 }
 
 #[test]
 fn too_long_prompt_states_the_limits() {
     let prompt = "word ".repeat(2000);
     let out = headroom()
-        .args(["generate", "--prompt", &prompt, "--max-tokens", "10", "--device", "cpu"])
+        .args(["generate", "--model", "kjv-demo", "--prompt", &prompt, "--max-tokens", "10", "--device", "cpu"])
         .output()
         .unwrap();
     assert!(!out.status.success());
@@ -61,7 +61,7 @@ fn too_long_prompt_states_the_limits() {
 #[test]
 fn plan_prints_the_breakdown_and_a_decision() {
     let out = headroom()
-        .args(["plan", "--prompt-tokens", "200", "--max-tokens", "300", "--vram-total-mib", "2048", "--json"])
+        .args(["plan", "--model", "kjv-demo", "--prompt-tokens", "200", "--max-tokens", "300", "--vram-total-mib", "2048", "--json"])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -73,7 +73,7 @@ fn plan_prints_the_breakdown_and_a_decision() {
 
     // A GPU smaller than its reserve: the request goes to CPU, with the reason.
     let out = headroom()
-        .args(["plan", "--prompt-tokens", "200", "--max-tokens", "300", "--vram-total-mib", "1000", "--json"])
+        .args(["plan", "--model", "kjv-demo", "--prompt-tokens", "200", "--max-tokens", "300", "--vram-total-mib", "1000", "--json"])
         .output()
         .unwrap();
     let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();

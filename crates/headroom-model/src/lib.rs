@@ -38,7 +38,7 @@ pub type CpuBackend = burn_ndarray::NdArray<f32>;
 /// Everything that can go wrong loading or running a model. Each message says what to do next.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("model folder {path}: {reason}")]
+    #[error("model {path}: {reason}")]
     Folder { path: String, reason: String },
     #[error("{path} {reason}")]
     Gguf { path: String, reason: String },
