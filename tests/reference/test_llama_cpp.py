@@ -179,7 +179,7 @@ def write_random_llama(path, source):
     # Random layers over a structured head: the output row of each token's fixed successor is that
     # token's embedding, so every position has one clearly best next token and top-1 compares the
     # engines rather than rounding noise between the near-equal logits of an unstructured random
-    # model (llama.cpp quantizes activations to 8 bits in its matmuls; Headroom keeps them f32).
+    # model (both engines quantize activations to 8 bits in their matmuls, each its own way).
     embedding = normal((vocab, hidden), EMBED_STD)
     successor = (np.arange(vocab) * 7919 + 1) % vocab
     output = np.empty_like(embedding)

@@ -61,14 +61,13 @@ fn prompt_for(bundle: &ModelBundle, n: usize) -> Result<Vec<u32>> {
     Ok(tokens)
 }
 
-fn run_headroom<B: burn::tensor::backend::Backend>(
-    device: &B::Device,
+fn run_headroom<M: headroom_model::Decoder>(
+    model: &M,
     bundle: &ModelBundle,
     prompt: &[u32],
     decode: usize,
     runs: usize,
 ) -> Result<EngineRun> {
-    let model = bundle.load::<B>(device, |_, _| {})?;
     let mut request = GenerateRequest::new(prompt.to_vec(), decode, SamplingParams::default());
     request.prefill_chunk = prompt.len();
     // Random weights may emit an EOS id early; the benchmark wants a fixed number of steps.
@@ -79,7 +78,7 @@ fn run_headroom<B: burn::tensor::backend::Backend>(
     let mut decode_rates = Vec::new();
     let mut tokens = Vec::new();
     for i in 0..=runs {
-        let g = generate(&model, &bundle, &request, &cancel, |_| {})?;
+        let g = generate(model, &bundle, &request, &cancel, |_| {})?;
         if i > 0 {
             prefill.push(g.prefill_tokens_per_s());
             decode_rates.push(g.decode_tokens_per_s());
@@ -103,7 +102,8 @@ fn run_cuda(bundle: &ModelBundle, prompt: &[u32], decode: usize, runs: usize) ->
     if let headroom_model::device::CudaProbe::Unavailable { reason } = headroom_model::device::probe_cuda() {
         anyhow::bail!("--cuda: {reason}");
     }
-    run_headroom::<burn_cuda::Cuda<f32>>(&burn_cuda::CudaDevice::new(0), bundle, prompt, decode, runs)
+    let model = bundle.load::<burn_cuda::Cuda<f32>>(&burn_cuda::CudaDevice::new(0), |_, _| {})?;
+    run_headroom(&model, bundle, prompt, decode, runs)
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -184,7 +184,7 @@ fn main() -> Result<()> {
     for (name, dir) in &folders {
         let bundle = ModelBundle::open(dir).with_context(|| format!("opening {}", dir.display()))?;
         let prompt = prompt_for(&bundle, args.prompt_tokens)?;
-        let ours = run_headroom::<CpuBackend>(&Default::default(), &bundle, &prompt, args.decode_tokens, args.runs)?;
+        let ours = run_headroom(&bundle.load_cpu(|_, _| {})?, &bundle, &prompt, args.decode_tokens, args.runs)?;
         let theirs = run_candle(dir, &prompt, args.decode_tokens, args.runs)?;
         let agree = agreeing(&ours.tokens, &theirs.tokens);
         println!(

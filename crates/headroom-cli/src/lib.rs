@@ -15,7 +15,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use headroom_model::bundle::resolve_model;
 use headroom_model::device::probe_cuda;
 use headroom_model::{
-    generate, CancelToken, CpuBackend, GenerateRequest, Llama, ModelBundle, SamplingParams,
+    generate, CancelToken, CpuBackend, GenerateRequest, ModelBundle, SamplingParams,
 };
 
 #[derive(Parser)]
@@ -287,17 +287,19 @@ fn run_generate(args: GenerateArgs, device: DeviceChoice) -> Result<()> {
         {
             headroom_worker::kernel_cache::configure();
             let device = burn_cuda::CudaDevice::new(0);
-            return generate_on::<burn_cuda::Cuda<f32>>(&bundle, &device, &args, "cuda:0");
+            return generate_on(&bundle, &args, "cuda:0", |on_layer| {
+                Ok(bundle.load::<burn_cuda::Cuda<f32>>(&device, on_layer)?)
+            });
         }
     }
-    generate_on::<CpuBackend>(&bundle, &Default::default(), &args, "cpu")
+    generate_on(&bundle, &args, "cpu", |on_layer| Ok(bundle.load_cpu(on_layer)?))
 }
 
-fn generate_on<B: burn::tensor::backend::Backend>(
+fn generate_on<M: headroom_model::Decoder>(
     bundle: &ModelBundle,
-    device: &B::Device,
     args: &GenerateArgs,
     device_name: &str,
+    load: impl FnOnce(&mut dyn FnMut(usize, usize)) -> Result<M>,
 ) -> Result<()> {
     let bar = indicatif::ProgressBar::new(bundle.config.num_hidden_layers as u64);
     bar.set_style(
@@ -306,7 +308,7 @@ fn generate_on<B: burn::tensor::backend::Backend>(
             .progress_chars("=> "),
     );
     bar.set_message(format!("{} on {device_name}", bundle.path.display()));
-    let model: Llama<B> = bundle.load(device, |done, _| bar.set_position(done as u64))?;
+    let model = load(&mut |done, _| bar.set_position(done as u64))?;
     bar.finish_and_clear();
 
     let prompt_tokens = if args.chat {

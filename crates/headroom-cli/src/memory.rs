@@ -10,7 +10,7 @@ use headroom_memory::{
     planner_for, Allowances, Budget, Calibration, CalibrationEntry, CalibrationFile, CountingAllocator, MemoryConfig,
     ModelShape, Planner, RequestShape, WorkspaceSample, MIB,
 };
-use headroom_model::{generate, CancelToken, CpuBackend, GenerateRequest, Llama, ModelBundle, SamplingParams};
+use headroom_model::{generate, CancelToken, CpuModel, GenerateRequest, ModelBundle, SamplingParams};
 
 #[global_allocator]
 pub static ALLOCATOR: CountingAllocator = CountingAllocator::new();
@@ -159,7 +159,7 @@ pub fn plan(bundle: &ModelBundle, mut config: MemoryConfig, args: PlanArgs) -> R
 /// prompt + max_tokens before the first token, so it is in the peak either way; only the decode
 /// workspace's slow growth with position (heads × position × 4 bytes a buffer) is not reached.
 fn measure_peak(
-    model: &Llama<CpuBackend>,
+    model: &CpuModel,
     bundle: &ModelBundle,
     prompt: usize,
     max_tokens: usize,
@@ -186,12 +186,12 @@ fn measure_peak(
 
 /// Measures workspace at a few (chunk, length) points that the accuracy grid does not use, and
 /// fits the calibration factors to them.
-pub fn calibrate(model: &Llama<CpuBackend>, bundle: &ModelBundle, shape: &ModelShape) -> Result<Calibration> {
+pub fn calibrate(model: &CpuModel, bundle: &ModelBundle, shape: &ModelShape) -> Result<Calibration> {
     Ok(measure_calibration(model, bundle, shape)?.0)
 }
 
 fn measure_calibration(
-    model: &Llama<CpuBackend>,
+    model: &CpuModel,
     bundle: &ModelBundle,
     shape: &ModelShape,
 ) -> Result<(Calibration, Vec<WorkspaceSample>)> {
@@ -224,7 +224,7 @@ pub fn calibrate_command(bundle: &ModelBundle, dry_run: bool) -> Result<()> {
     if ALLOCATOR.current_bytes() == 0 {
         bail!("the counting allocator is not installed in this binary");
     }
-    let model = bundle.load::<CpuBackend>(&Default::default(), |_, _| {})?;
+    let model = bundle.load_cpu(|_, _| {})?;
     let shape = ModelShape::from_config(&bundle.config);
     let started = Instant::now();
     let (calibration, samples) = measure_calibration(&model, bundle, &shape)?;
@@ -267,7 +267,7 @@ pub fn accuracy(
     chunk: u64,
     decode_cap: Option<usize>,
 ) -> Result<serde_json::Value> {
-    let model = bundle.load::<CpuBackend>(&Default::default(), |_, _| {})?;
+    let model = bundle.load_cpu(|_, _| {})?;
     let shape = ModelShape::from_config(&bundle.config);
     // The stored calibration is what admission uses, so that is what is checked; a model without
     // one is calibrated here, on points the grid does not use.

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::Subcommand;
 use headroom_model::gguf::GgufFile;
-use headroom_model::{CpuBackend, Llama, ModelBundle};
+use headroom_model::ModelBundle;
 
 #[derive(Subcommand)]
 pub enum ModelCommand {
@@ -30,6 +30,26 @@ pub enum ModelCommand {
         #[arg(default_value = "default")]
         model: String,
     },
+    /// The CPU engine's speed on a model, as scripts/bench-engine.py compares it with llama.cpp:
+    /// a prompt of `--prompt-tokens` random tokens, then `--decode-tokens` greedy steps, median of
+    /// `--runs` after a warm-up; and this machine's sequential read bandwidth, measured with the
+    /// same threads, so decode reads as a share of the memory-bandwidth bound. One JSON object.
+    Bench {
+        #[arg(default_value = "default")]
+        model: String,
+        #[arg(long, default_value_t = 128)]
+        prompt_tokens: usize,
+        #[arg(long, default_value_t = 64)]
+        decode_tokens: usize,
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Threads (default: every core).
+        #[arg(long)]
+        threads: Option<usize>,
+        /// KV cache precision.
+        #[arg(long, value_enum, default_value = "f32")]
+        kv: KvArg,
+    },
     /// Writes one tensor of a GGUF file, dequantized, as little-endian f32 (for comparing with
     /// other readers).
     Tensor {
@@ -40,8 +60,20 @@ pub enum ModelCommand {
     },
 }
 
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum KvArg {
+    F32,
+    F16,
+}
+
 pub fn run(command: ModelCommand) -> Result<()> {
     match command {
+        ModelCommand::Bench { model, prompt_tokens, decode_tokens, runs, threads, kv } => {
+            if let Some(n) = threads {
+                rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("cannot size the thread pool")?;
+            }
+            bench(&crate::open_bundle(&model)?, prompt_tokens, decode_tokens, runs.max(1), kv)
+        }
         ModelCommand::Inspect { model, json } => inspect(&crate::open_bundle(&model)?, json),
         ModelCommand::Tokenize { model } => {
             let bundle = crate::open_bundle(&model)?;
@@ -55,11 +87,12 @@ pub fn run(command: ModelCommand) -> Result<()> {
         }
         ModelCommand::Score { model } => {
             let bundle = crate::open_bundle(&model)?;
-            let llama: Llama<CpuBackend> = bundle.load(&Default::default(), |_, _| {})?;
+            // The CPU engine, as the CPU worker runs it (packed weights, quantized activations).
+            let model = bundle.load_cpu(|_, _| {})?;
             let mut out = std::io::stdout().lock();
             for line in std::io::stdin().lock().lines() {
                 let tokens: Vec<u32> = serde_json::from_str(&line?).context("each line of stdin must be a JSON array of token ids")?;
-                let scores = headroom_model::teacher_forced(&llama, &bundle.config, &tokens)?;
+                let scores = headroom_model::teacher_forced(&model, &bundle.config, &tokens)?;
                 writeln!(out, "{}", serde_json::to_string(&scores)?)?;
             }
             Ok(())
@@ -125,4 +158,79 @@ fn inspect(bundle: &ModelBundle, json: bool) -> Result<()> {
     println!("chat template {}", if bundle.template.is_some() { "yes" } else { "none (plain completions only)" });
     println!("bundle        {}", bundle.short_hash());
     Ok(())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn bench(bundle: &ModelBundle, prompt_tokens: usize, decode_tokens: usize, runs: usize, kv: KvArg) -> Result<()> {
+    use headroom_model::{generate, CancelToken, GenerateRequest, SamplingParams};
+    let started = std::time::Instant::now();
+    let mut model = bundle.load_cpu(|_, _| {})?;
+    let load_s = started.elapsed().as_secs_f64();
+    model.kv_precision = match kv {
+        KvArg::F32 => headroom_model::KvPrecision::F32,
+        KvArg::F16 => headroom_model::KvPrecision::F16,
+    };
+    let vocab = bundle.config.vocab_size as u32;
+    // Fixed pseudo-random ids away from the special tokens at the start of most vocabularies.
+    let prompt: Vec<u32> = (0..prompt_tokens as u32).map(|i| 1000.min(vocab / 2) + (i * 7919) % (vocab / 2)).collect();
+    let mut request = GenerateRequest::new(prompt, decode_tokens, SamplingParams::default());
+    request.prefill_chunk = prompt_tokens;
+    request.ignore_eos = true;
+    let cancel = CancelToken::new();
+    let (mut prefill, mut decode) = (Vec::new(), Vec::new());
+    for run in 0..=runs {
+        let g = generate(&model, bundle, &request, &cancel, |_| {})?;
+        if run > 0 {
+            prefill.push(g.prefill_tokens_per_s());
+            decode.push(g.decode_tokens_per_s());
+        }
+    }
+    let bandwidth = read_bandwidth_bytes_per_s();
+    let decode_tok_s = median(decode);
+    // A decode step reads every weight once (the embedding only for its one row, unless it is
+    // also the output head).
+    let weight_bytes = model.bytes_read_per_token() as f64;
+    let bound_tok_s = bandwidth / weight_bytes;
+    let out = serde_json::json!({
+        "engine": "headroom",
+        "model": bundle.path.display().to_string(),
+        "quantization": bundle.format.quantization,
+        "kernels": headroom_model::cpu::dot::Kernels::detect().name,
+        "threads": rayon::current_num_threads(),
+        "kv": match kv { KvArg::F32 => "f32", KvArg::F16 => "f16" },
+        "load_s": load_s,
+        "prompt_tokens": prompt_tokens,
+        "decode_tokens": decode_tokens,
+        "runs": runs,
+        "prefill_tok_s": median(prefill),
+        "decode_tok_s": decode_tok_s,
+        "bytes_read_per_token": weight_bytes,
+        "weight_bytes": model.weight_bytes(),
+        "read_bandwidth_gb_s": bandwidth / 1e9,
+        "bandwidth_bound_tok_s": bound_tok_s,
+        "share_of_bound": decode_tok_s / bound_tok_s,
+    });
+    println!("{out}");
+    Ok(())
+}
+
+/// Sequential read bandwidth of main memory with the pool's threads: the best of five passes
+/// over a 1 GiB buffer (larger than any cache here), each thread summing its own slice.
+fn read_bandwidth_bytes_per_s() -> f64 {
+    use rayon::prelude::*;
+    let words = (1usize << 30) / 8;
+    let buffer: Vec<u64> = (0..words as u64).into_par_iter().map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)).collect();
+    let mut best = 0f64;
+    for _ in 0..5 {
+        let started = std::time::Instant::now();
+        let sum: u64 = buffer.par_chunks(1 << 16).map(|c| c.iter().fold(0u64, |a, &b| a.wrapping_add(b))).reduce(|| 0, u64::wrapping_add);
+        let seconds = started.elapsed().as_secs_f64();
+        std::hint::black_box(sum);
+        best = best.max((words * 8) as f64 / seconds);
+    }
+    best
 }

@@ -263,7 +263,7 @@ async fn a_request_that_would_outlast_the_client_timeout_is_refused_up_front() {
 
 const BURST_PROMPT: &str = "In the beginning God created";
 
-/// A dispatcher whose sim GPU has room for one and a half 24-token requests of
+/// A dispatcher whose sim GPU has room for one (not two) 24-token requests of
 /// [`BURST_PROMPT`] besides weights and a 64 MiB reserve, after one warm-up request (so the GPU
 /// lane has measured rates to estimate a wait from). The worker's memory samples are off
 /// (memory_sample_ms = 0): only the router's own accounting can see a grant.
@@ -277,7 +277,11 @@ async fn one_request_gpu(memory: MemoryConfig) -> Dispatcher {
     let needs = planner.footprint(RequestShape { prompt_tokens: r.prompt_tokens.len() as u64, max_tokens: 24, prefill_chunk: r.prefill_chunk as u64 }).request_bytes();
     let weights = ModelShape::from_config(&bundle.config).weights_bytes();
     let mut config = supervisor_config(true);
-    config.gpu.as_mut().unwrap().sim_vram_mib = (weights + needs * 3 / 2) / MIB + 64;
+    // The smallest whole MiB budget that holds one request; it must not hold two.
+    let vram_mib = (weights + needs).div_ceil(MIB) + 64;
+    let free = (vram_mib - 64) * MIB - weights;
+    assert!(free >= needs && free < 2 * needs, "a budget of {vram_mib} MiB leaves {free} bytes for requests of {needs}");
+    config.gpu.as_mut().unwrap().sim_vram_mib = vram_mib;
     let supervisor = Supervisor::start(config).await.unwrap();
     let d = Dispatcher::start(supervisor, Journal::in_memory().unwrap(), planner, memory, QueueConfig::default(), Settings::default(), None).unwrap().0;
     d.submit(submission("warm", BURST_PROMPT, 24, None)).unwrap().finish().await.unwrap();

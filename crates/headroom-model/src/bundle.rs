@@ -91,6 +91,9 @@ pub struct ModelBundle {
     pub hash: String,
     /// Size of the weight files on disk.
     pub weight_file_bytes: u64,
+    /// Bytes of weights the CPU engine holds ([`crate::cpu::CpuModel::weight_bytes`]): the
+    /// file's packed tensors, or f32 for a folder.
+    pub cpu_weight_bytes: u64,
 }
 
 impl std::fmt::Debug for ModelBundle {
@@ -204,7 +207,9 @@ impl ModelBundle {
             bos_token: special("bos_token"),
             hash,
             weight_file_bytes,
-        })
+            cpu_weight_bytes: 0,
+        }
+        .with_cpu_weight_bytes(None))
     }
 
     /// Loads the weights onto `device`. `on_layer(done, total)` reports progress.
@@ -220,6 +225,25 @@ impl ModelBundle {
         }
         let files = WeightFiles::open(&self.path)?;
         load_llama(&files, &self.config, device, on_layer)
+    }
+
+    /// Loads the weights for the CPU engine: a GGUF file's packed tensors stay memory-mapped;
+    /// a folder's weights are read as f32.
+    pub fn load_cpu(&self, on_layer: impl FnMut(usize, usize)) -> Result<crate::cpu::CpuModel> {
+        if self.format.container == "gguf" {
+            let file = GgufFile::open(&self.path)?;
+            return crate::cpu::CpuModel::from_gguf(&file, &self.config, on_layer);
+        }
+        let files = WeightFiles::open(&self.path)?;
+        crate::cpu::CpuModel::from_tensors(&files, &self.config, on_layer)
+    }
+
+    fn with_cpu_weight_bytes(mut self, file: Option<&GgufFile>) -> Self {
+        self.cpu_weight_bytes = match file {
+            Some(file) => crate::cpu::engine::gguf_weight_bytes(file),
+            None => self.config.parameter_count() as u64 * 4,
+        };
+        self
     }
 
     fn open_gguf(path: PathBuf) -> Result<Self> {
@@ -239,8 +263,10 @@ impl ModelBundle {
             bos_token: tokens.bos_token,
             hash: hex::encode(hasher.finalize()),
             weight_file_bytes,
+            cpu_weight_bytes: 0,
             path,
-        })
+        }
+        .with_cpu_weight_bytes(Some(&file)))
     }
 
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {

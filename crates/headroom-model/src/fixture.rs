@@ -268,3 +268,52 @@ pub fn write_gguf_from_folder(dir: &Path, out: &Path, weight_type: crate::quants
     }
     crate::gguf::write(out, &metadata, &tensors)
 }
+
+/// Rewrites a GGUF file with every weight matrix replaced by random but valid blocks of `ty`
+/// (random quants and sub-scales, f16 scales set so the weights' standard deviation is about
+/// 0.05, like a trained model's); norms and the tokenizer stay. For tests of the packed CPU path
+/// against the same file dequantized: any valid block is a weight the kernels must get right,
+/// and no quantizer is needed for the K-quants.
+pub fn write_random_packed_gguf(src: &Path, out: &Path, ty: crate::quants::GgmlType, seed: u64) -> Result<()> {
+    use rand::{Rng, SeedableRng};
+    let file = crate::gguf::GgufFile::open(src)?;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    // Where each block keeps its f16 scale and (for types with a minimum) its f16 min.
+    let scale_offsets: &[usize] = match ty {
+        crate::quants::GgmlType::Q4_0 | crate::quants::GgmlType::Q8_0 | crate::quants::GgmlType::Q5_0 => &[0],
+        crate::quants::GgmlType::Q4_1 | crate::quants::GgmlType::Q5_1 | crate::quants::GgmlType::Q4K | crate::quants::GgmlType::Q5K | crate::quants::GgmlType::Q2K => &[0, 2],
+        crate::quants::GgmlType::Q6K => &[208],
+        crate::quants::GgmlType::Q3K => &[108],
+        other => return Err(Error::InvalidRequest(format!("{other} is not a block type"))),
+    };
+    let q2k_offsets = [80usize, 82];
+    let scale_offsets: &[usize] = if ty == crate::quants::GgmlType::Q2K { &q2k_offsets } else { scale_offsets };
+    let mut tensors = Vec::new();
+    for (name, info) in &file.tensors {
+        let (values, shape) = file.read_f32(name)?;
+        let cols = *shape.last().unwrap_or(&0);
+        if shape.len() != 2 || cols % ty.block_elements() != 0 {
+            tensors.push((name.clone(), shape, crate::quants::GgmlType::F32, values.iter().flat_map(|v| v.to_le_bytes()).collect()));
+            continue;
+        }
+        let _ = info;
+        let blocks = values.len() / ty.block_elements();
+        let mut bytes = vec![0u8; blocks * ty.block_bytes()];
+        rng.fill(&mut bytes[..]);
+        let set_scales = |bytes: &mut [u8], factor: f32| {
+            for block in bytes.chunks_exact_mut(ty.block_bytes()) {
+                for &at in scale_offsets {
+                    let base = if at == scale_offsets[0] { 1.0 } else { 0.5 };
+                    block[at..at + 2].copy_from_slice(&half::f16::from_f32(base * factor).to_le_bytes());
+                }
+            }
+        };
+        set_scales(&mut bytes, 1.0);
+        let unit = crate::quants::dequantize(ty, &bytes, values.len()).map_err(Error::Weights)?;
+        let std = (unit.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / unit.len() as f64).sqrt();
+        set_scales(&mut bytes, (0.05 / std.max(1e-12)) as f32);
+        tensors.push((name.clone(), shape, ty, bytes));
+    }
+    let metadata: Vec<(&str, crate::gguf::Value)> = file.metadata.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    crate::gguf::write(out, &metadata, &tensors)
+}

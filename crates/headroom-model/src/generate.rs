@@ -139,12 +139,48 @@ impl Generation {
     }
 }
 
-/// A running generation on one backend.
-pub struct Session<'m, B: Backend> {
-    model: &'m Llama<B>,
-    bundle: &'m ModelBundle,
+/// A model a [`Session`] runs: burn's [`Llama`] on any backend, or the CPU engine
+/// ([`crate::cpu::CpuModel`]). Each keeps its KV cache its own way.
+pub trait Decoder {
+    type Cache;
+    /// A KV cache for `capacity` tokens (prompt + max_tokens), allocated once.
+    fn new_cache(&self, config: &crate::LlamaConfig, capacity: usize) -> Self::Cache;
+    /// Feeds `tokens` at the cache's position and returns the logits of the last.
+    fn feed(&self, tokens: &[u32], cache: &mut Self::Cache) -> Vec<f32>;
+}
+
+/// burn's KV cache and the RoPE tables for its positions.
+pub struct BurnCache<B: Backend> {
     rope: RopeTables<B>,
-    cache: KvCache<B>,
+    kv: KvCache<B>,
+}
+
+impl<B: Backend> Decoder for Llama<B> {
+    type Cache = BurnCache<B>;
+    fn new_cache(&self, config: &crate::LlamaConfig, capacity: usize) -> BurnCache<B> {
+        let device = self.embed_tokens.weight.device();
+        BurnCache { rope: RopeTables::new(config, capacity, &device), kv: KvCache::new(config, capacity, &device) }
+    }
+    fn feed(&self, tokens: &[u32], cache: &mut BurnCache<B>) -> Vec<f32> {
+        self.step(tokens, &cache.rope, &mut cache.kv)
+    }
+}
+
+impl Decoder for crate::cpu::CpuModel {
+    type Cache = crate::cpu::CpuCache;
+    fn new_cache(&self, _config: &crate::LlamaConfig, capacity: usize) -> crate::cpu::CpuCache {
+        crate::cpu::CpuModel::new_cache(self, capacity)
+    }
+    fn feed(&self, tokens: &[u32], cache: &mut crate::cpu::CpuCache) -> Vec<f32> {
+        self.step(tokens, cache)
+    }
+}
+
+/// A running generation on one model.
+pub struct Session<'m, M: Decoder> {
+    model: &'m M,
+    bundle: &'m ModelBundle,
+    cache: M::Cache,
     sampler: Sampler,
     prompt: Vec<u32>,
     generated: Vec<u32>,
@@ -179,10 +215,10 @@ pub fn check_context(prompt_tokens: usize, max_tokens: usize, context: usize) ->
     Ok(())
 }
 
-impl<'m, B: Backend> Session<'m, B> {
+impl<'m, M: Decoder> Session<'m, M> {
     /// Allocates the KV cache and runs the prefill (or replays a checkpoint).
     pub fn start(
-        model: &'m Llama<B>,
+        model: &'m M,
         bundle: &'m ModelBundle,
         request: &GenerateRequest,
         cancel: &CancelToken,
@@ -199,10 +235,8 @@ impl<'m, B: Backend> Session<'m, B> {
         if request.stop.iter().any(String::is_empty) {
             return Err(Error::InvalidRequest("stop strings must not be empty".into()));
         }
-        let device = model.embed_tokens.weight.device();
         let capacity = request.prompt_tokens.len() + request.max_tokens;
-        let rope = RopeTables::new(&bundle.config, capacity, &device);
-        let cache = KvCache::new(&bundle.config, capacity, &device);
+        let cache = model.new_cache(&bundle.config, capacity);
         let (sampler, generated, delivered_text) = match &request.resume {
             Some(cp) => {
                 if cp.prompt_tokens != request.prompt_tokens {
@@ -226,7 +260,6 @@ impl<'m, B: Backend> Session<'m, B> {
         let mut session = Self {
             model,
             bundle,
-            rope,
             cache,
             sampler,
             prompt: request.prompt_tokens.clone(),
@@ -248,7 +281,7 @@ impl<'m, B: Backend> Session<'m, B> {
                 session.finished = Some(FinishReason::Cancelled);
                 return Ok(session);
             }
-            logits = Some(model.step(part, &session.rope, &mut session.cache));
+            logits = Some(model.feed(part, &mut session.cache));
         }
         // Replaying generated tokens one decode step at a time repeats the straight run's
         // arithmetic exactly, so the resumed stream is token-for-token the same.
@@ -258,7 +291,7 @@ impl<'m, B: Backend> Session<'m, B> {
                 return Ok(session);
             }
             let token = session.generated[i];
-            logits = Some(model.step(&[token], &session.rope, &mut session.cache));
+            logits = Some(model.feed(&[token], &mut session.cache));
         }
         session.prefill_ms = started.elapsed().as_secs_f64() * 1000.0;
         session.next_logits = logits;
@@ -324,7 +357,7 @@ impl<'m, B: Backend> Session<'m, B> {
             self.delivered = self.text.len();
         }
         if self.finished.is_none() {
-            self.next_logits = Some(self.model.step(&[token], &self.rope, &mut self.cache));
+            self.next_logits = Some(self.model.feed(&[token], &mut self.cache));
         }
         Ok(Some((token, released)))
     }
@@ -367,8 +400,8 @@ impl<'m, B: Backend> Session<'m, B> {
 }
 
 /// Runs a whole generation, calling `on_token` for each token as it is produced.
-pub fn generate<B: Backend>(
-    model: &Llama<B>,
+pub fn generate<M: Decoder>(
+    model: &M,
     bundle: &ModelBundle,
     request: &GenerateRequest,
     cancel: &CancelToken,
@@ -417,19 +450,17 @@ impl TeacherForced {
 
 /// Feeds `tokens` one at a time through the serving decode path (KV cache, the CPU decode
 /// step where it applies) and scores every position.
-pub fn teacher_forced<B: Backend>(model: &Llama<B>, config: &crate::LlamaConfig, tokens: &[u32]) -> Result<TeacherForced> {
+pub fn teacher_forced<M: Decoder>(model: &M, config: &crate::LlamaConfig, tokens: &[u32]) -> Result<TeacherForced> {
     if tokens.len() > config.max_position_embeddings {
         return Err(Error::InvalidRequest(format!("{} tokens do not fit the context of {}", tokens.len(), config.max_position_embeddings)));
     }
     if let Some(bad) = tokens.iter().find(|&&t| t as usize >= config.vocab_size) {
         return Err(Error::InvalidRequest(format!("token id {bad} is outside the vocabulary of {}", config.vocab_size)));
     }
-    let device = model.embed_tokens.weight.device();
-    let rope = RopeTables::new(config, tokens.len().max(1), &device);
-    let mut cache = KvCache::new(config, tokens.len().max(1), &device);
+    let mut cache = model.new_cache(config, tokens.len().max(1));
     let mut out = TeacherForced { argmax: Vec::new(), nll: Vec::new() };
     for (i, &token) in tokens.iter().enumerate() {
-        let logits = model.step(&[token], &rope, &mut cache);
+        let logits = model.feed(&[token], &mut cache);
         let (best, _) = logits
             .iter()
             .enumerate()

@@ -99,7 +99,7 @@ pub struct GgufFile {
     pub version: u32,
     pub metadata: BTreeMap<String, Value>,
     pub tensors: BTreeMap<String, TensorInfo>,
-    map: memmap2::Mmap,
+    pub(crate) map: std::sync::Arc<memmap2::Mmap>,
 }
 
 impl std::fmt::Debug for GgufFile {
@@ -276,7 +276,7 @@ impl GgufFile {
                 return Err(format!("is corrupt: tensor `{name}` appears twice"));
             }
         }
-        Ok(Self { path, version, metadata, tensors, map })
+        Ok(Self { path, version, metadata, tensors, map: std::sync::Arc::new(map) })
     }
 
     pub fn get(&self, key: &str) -> Option<&Value> {

@@ -95,7 +95,7 @@ pub fn config(file: &GgufFile) -> Result<LlamaConfig> {
 }
 
 /// The GGUF name of a Hugging Face tensor name.
-fn gguf_name(hf: &str) -> Option<String> {
+pub(crate) fn gguf_name(hf: &str) -> Option<String> {
     let fixed = match hf {
         "model.embed_tokens.weight" => Some("token_embd.weight"),
         "model.norm.weight" => Some("output_norm.weight"),

@@ -5,7 +5,7 @@
 
 pub mod bundle;
 pub mod config;
-mod cpu_decode;
+pub mod cpu;
 pub mod device;
 pub mod fixture;
 pub mod generate;
@@ -25,9 +25,10 @@ pub mod train;
 pub use bundle::{resolve_model, ModelBundle, WeightFormat};
 pub use config::LlamaConfig;
 pub use generate::{
-    generate, CancelToken, Checkpoint, FinishReason, GenerateRequest, Generation, PromptInput,
+    generate, BurnCache, CancelToken, Checkpoint, Decoder, FinishReason, GenerateRequest, Generation, PromptInput,
     PromptSource, Session, StreamEvent, TeacherForced, teacher_forced,
 };
+pub use cpu::{CpuModel, KvPrecision};
 pub use model::{KvCache, Llama, RopeTables};
 pub use sampler::{Sampler, SamplerState, SamplingParams};
 pub use template::{ChatMessage, ChatTemplate};

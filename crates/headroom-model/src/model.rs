@@ -313,20 +313,8 @@ impl<B: Backend> Llama<B> {
     }
 
     /// Feeds `tokens` (one sequence) at position `cache.len` and returns the logits of the last.
-    /// One new token on the CPU backend takes the direct decode step (`cpu_decode`).
+    /// (The CPU workers run [`crate::cpu::CpuModel`]; this is the GPU path and the reference.)
     pub fn step(&self, tokens: &[u32], rope: &RopeTables<B>, cache: &mut KvCache<B>) -> Vec<f32> {
-        if let [token] = tokens {
-            if crate::cpu_decode::enabled() {
-                if let Some(logits) = crate::cpu_decode::try_step(self, *token, rope, cache) {
-                    return logits;
-                }
-            }
-        }
-        self.step_with_tensor_ops(tokens, rope, cache)
-    }
-
-    /// [`Llama::step`] through burn's tensor ops, on any backend.
-    pub fn step_with_tensor_ops(&self, tokens: &[u32], rope: &RopeTables<B>, cache: &mut KvCache<B>) -> Vec<f32> {
         let device = self.embed_tokens.weight.device();
         let ids: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
         let seq = ids.len();

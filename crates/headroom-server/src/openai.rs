@@ -483,7 +483,7 @@ pub struct ModelDetails {
     pub parameters: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub file_bytes: Option<u64>,
-    /// Bytes of weights each worker holds (f32 until quantized kernels land).
+    /// Bytes of weights the CPU worker holds (the file's packed tensors; a CUDA worker holds f32).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub resident_bytes_per_worker: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -392,7 +392,7 @@ fn served_model_details(state: &AppState) -> openai::ModelDetails {
         architecture: Some(config.model_type.clone()),
         parameters: Some(parameters),
         file_bytes: Some(bundle.weight_file_bytes),
-        resident_bytes_per_worker: Some(parameters * 4),
+        resident_bytes_per_worker: Some(bundle.cpu_weight_bytes),
         context_tokens: Some(config.max_position_embeddings as u64),
     }
 }

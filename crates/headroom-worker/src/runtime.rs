@@ -9,9 +9,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use burn::tensor::backend::Backend;
 use headroom_memory::{Ledger, MemoryConfig, Planner, RequestShape, Reservation};
-use headroom_model::{CancelToken, CpuBackend, GenerateRequest, Llama, ModelBundle, Session};
+use headroom_model::{CancelToken, CpuModel, Decoder, GenerateRequest, ModelBundle, Session};
+#[cfg(feature = "cuda")]
+use headroom_model::Llama;
 
 use crate::protocol::{
     read_frame, write_frame, FailureKind, Fault, FrameError, FromWorker, GenerateJob,
@@ -40,7 +41,8 @@ impl Outbox {
 }
 
 enum Engine {
-    Cpu(Llama<CpuBackend>),
+    /// The CPU engine (packed weights); the sim GPU runs it too.
+    Cpu(CpuModel),
     #[cfg(feature = "cuda")]
     Cuda(Llama<burn_cuda::Cuda<f32>>, burn_cuda::CudaDevice),
 }
@@ -199,7 +201,7 @@ impl State {
         let loaded = catch_unwind(AssertUnwindSafe(|| -> Result<Engine, headroom_model::Error> {
             match self.options.device {
                 Device::Cpu | Device::Sim => {
-                    Ok(Engine::Cpu(bundle.load(&Default::default(), |_, _| {})?))
+                    Ok(Engine::Cpu(bundle.load_cpu(|_, _| {})?))
                 }
                 #[cfg(feature = "cuda")]
                 Device::Cuda(index) => {
@@ -271,7 +273,11 @@ impl State {
         let loaded = self.loaded.lock().unwrap().clone();
         let weights_bytes = loaded
             .as_ref()
-            .map(|l| headroom_memory::ModelShape::from_config(&l.bundle.config).weights_bytes())
+            .map(|l| match (&l.engine, self.options.device) {
+                // The CPU engine holds the file's packed bytes; the sim GPU models a GPU's f32.
+                (Engine::Cpu(model), Device::Cpu) => model.weight_bytes() as u64,
+                _ => headroom_memory::ModelShape::from_config(&l.bundle.config).weights_bytes(),
+            })
             .unwrap_or(0);
         let mut reading = MemoryReading {
             device: self.options.device.label(),
@@ -413,9 +419,9 @@ impl State {
         }
     }
 
-    fn stream<B: Backend>(
+    fn stream<M: Decoder>(
         &self,
-        model: &Llama<B>,
+        model: &M,
         loaded: &Loaded,
         id: &str,
         request: &GenerateRequest,

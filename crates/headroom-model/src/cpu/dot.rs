@@ -1,0 +1,444 @@
+//! Dot products of one packed weight row with one activation row, per ggml block type.
+//!
+//! Activations are quantized per block to 8 bits, as llama.cpp does, so a 4-bit weight block and
+//! its activations multiply in integers and one float multiply per block scales the sum:
+//! [`Q8x32`] beside the 32-value types (Q4_0, Q4_1, Q8_0), [`Q8x256`] beside the K-quants
+//! (Q4_K, Q5_K, Q6_K). Unquantized weights (F32, F16) take f32 activations.
+//!
+//! Every kernel has a portable scalar form, the reference the tests hold the SIMD forms to (the
+//! integer sums are exact in both; only the float combination order differs). The SIMD form is
+//! chosen once at run time from what the processor reports (see [`Kernels::detect`]).
+
+use half::f16;
+
+use crate::quants::GgmlType;
+
+/// 32 activations quantized to `d · qs`, with `s = d · Σ qs` for the types with a minimum (Q4_1).
+#[derive(Clone, Copy, Debug)]
+#[repr(C, align(8))]
+pub struct Q8x32 {
+    pub d: f32,
+    pub s: f32,
+    pub qs: [i8; 32],
+}
+
+/// 256 activations quantized to `d · qs`, with the sums of each 16 for the K-quants' minimums.
+#[derive(Clone, Copy, Debug)]
+#[repr(C, align(8))]
+pub struct Q8x256 {
+    pub d: f32,
+    pub bsums: [i16; 16],
+    pub qs: [i8; 256],
+}
+
+impl Default for Q8x32 {
+    fn default() -> Self {
+        Self { d: 0.0, s: 0.0, qs: [0; 32] }
+    }
+}
+
+impl Default for Q8x256 {
+    fn default() -> Self {
+        Self { d: 0.0, bsums: [0; 16], qs: [0; 256] }
+    }
+}
+
+/// Round to nearest, ties away from zero (C's `roundf`, what llama.cpp uses).
+#[inline]
+fn round_i8(v: f32) -> i8 {
+    v.round().clamp(-127.0, 127.0) as i8
+}
+
+/// Quantizes `x` (a multiple of 32 long) into `out`.
+pub fn quantize_q8x32(x: &[f32], out: &mut [Q8x32]) {
+    debug_assert_eq!(x.len(), out.len() * 32);
+    for (block, q) in x.chunks_exact(32).zip(out.iter_mut()) {
+        let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let mut sum = 0i32;
+        for (o, v) in q.qs.iter_mut().zip(block) {
+            *o = round_i8(v * inv);
+            sum += *o as i32;
+        }
+        q.d = d;
+        q.s = d * sum as f32;
+    }
+}
+
+/// Quantizes `x` (a multiple of 256 long) into `out`.
+pub fn quantize_q8x256(x: &[f32], out: &mut [Q8x256]) {
+    debug_assert_eq!(x.len(), out.len() * 256);
+    for (block, q) in x.chunks_exact(256).zip(out.iter_mut()) {
+        let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        for (o, v) in q.qs.iter_mut().zip(block) {
+            *o = round_i8(v * inv);
+        }
+        for (s, group) in q.bsums.iter_mut().zip(q.qs.chunks_exact(16)) {
+            *s = group.iter().map(|&v| v as i16).sum();
+        }
+        q.d = d;
+    }
+}
+
+#[inline]
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// Scale and min `j` (0..8) of a Q4_K/Q5_K super-block: six bits each packed in 12 bytes.
+#[inline]
+pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        ((q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+    }
+}
+
+/// The scalar reference kernels. `w` holds exactly the row's blocks.
+pub mod scalar {
+    use super::*;
+
+    pub fn f32_dot(w: &[u8], x: &[f32]) -> f32 {
+        w.chunks_exact(4).zip(x).map(|(b, x)| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) * x).sum()
+    }
+
+    pub fn f16_dot(w: &[u8], x: &[f32]) -> f32 {
+        w.chunks_exact(2).zip(x).map(|(b, x)| f16::from_le_bytes([b[0], b[1]]).to_f32() * x).sum()
+    }
+
+    pub fn q4_0(w: &[u8], a: &[Q8x32]) -> f32 {
+        let mut sum = 0f32;
+        for (b, a) in w.chunks_exact(18).zip(a) {
+            let qs = &b[2..18];
+            let mut isum = 0i32;
+            for j in 0..16 {
+                isum += ((qs[j] & 0x0f) as i32 - 8) * a.qs[j] as i32;
+                isum += ((qs[j] >> 4) as i32 - 8) * a.qs[j + 16] as i32;
+            }
+            sum += f16_at(b, 0) * a.d * isum as f32;
+        }
+        sum
+    }
+
+    pub fn q4_1(w: &[u8], a: &[Q8x32]) -> f32 {
+        let mut sum = 0f32;
+        for (b, a) in w.chunks_exact(20).zip(a) {
+            let qs = &b[4..20];
+            let mut isum = 0i32;
+            for j in 0..16 {
+                isum += (qs[j] & 0x0f) as i32 * a.qs[j] as i32;
+                isum += (qs[j] >> 4) as i32 * a.qs[j + 16] as i32;
+            }
+            sum += f16_at(b, 0) * a.d * isum as f32 + f16_at(b, 2) * a.s;
+        }
+        sum
+    }
+
+    pub fn q8_0(w: &[u8], a: &[Q8x32]) -> f32 {
+        let mut sum = 0f32;
+        for (b, a) in w.chunks_exact(34).zip(a) {
+            let isum: i32 = b[2..34].iter().zip(&a.qs).map(|(&q, &y)| q as i8 as i32 * y as i32).sum();
+            sum += f16_at(b, 0) * a.d * isum as f32;
+        }
+        sum
+    }
+
+    /// Q4_K and Q5_K share everything but the fifth bit (`qh`, Q5_K only).
+    fn k4_k5(b: &[u8], a: &Q8x256, qh: Option<&[u8]>, qs: &[u8]) -> f32 {
+        let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+        let scales = &b[4..16];
+        let (mut isum, mut mins) = (0i32, 0i32);
+        for pair in 0..4 {
+            let q = &qs[pair * 32..pair * 32 + 32];
+            for half in 0..2 {
+                let j = 2 * pair + half;
+                let (sc, m) = scale_min_k4(j, scales);
+                let mut part = 0i32;
+                for l in 0..32 {
+                    let nibble = if half == 0 { q[l] & 0x0f } else { q[l] >> 4 };
+                    let high = qh.map_or(0, |qh| ((qh[l] >> j) & 1) << 4);
+                    part += (nibble | high) as i32 * a.qs[j * 32 + l] as i32;
+                }
+                isum += sc as i32 * part;
+                mins += m as i32 * (a.bsums[2 * j] as i32 + a.bsums[2 * j + 1] as i32);
+            }
+        }
+        a.d * (d * isum as f32 - dmin * mins as f32)
+    }
+
+    pub fn q4_k(w: &[u8], a: &[Q8x256]) -> f32 {
+        w.chunks_exact(144).zip(a).map(|(b, a)| k4_k5(b, a, None, &b[16..144])).sum()
+    }
+
+    pub fn q5_k(w: &[u8], a: &[Q8x256]) -> f32 {
+        w.chunks_exact(176).zip(a).map(|(b, a)| k4_k5(b, a, Some(&b[16..48]), &b[48..176])).sum()
+    }
+
+    pub fn q6_k(w: &[u8], a: &[Q8x256]) -> f32 {
+        let mut sum = 0f32;
+        for (b, a) in w.chunks_exact(210).zip(a) {
+            let (ql_all, qh_all, sc_all) = (&b[0..128], &b[128..192], &b[192..208]);
+            let mut isum = 0i32;
+            for half in 0..2 {
+                let ql = &ql_all[half * 64..half * 64 + 64];
+                let qh = &qh_all[half * 32..half * 32 + 32];
+                let y = &a.qs[half * 128..half * 128 + 128];
+                let sc = &sc_all[half * 8..half * 8 + 8];
+                for l in 0..32 {
+                    let is = l / 16;
+                    let q1 = ((ql[l] & 0x0f) | ((qh[l] & 3) << 4)) as i32 - 32;
+                    let q2 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+                    let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+                    let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+                    isum += sc[is] as i8 as i32 * q1 * y[l] as i32;
+                    isum += sc[is + 2] as i8 as i32 * q2 * y[l + 32] as i32;
+                    isum += sc[is + 4] as i8 as i32 * q3 * y[l + 64] as i32;
+                    isum += sc[is + 6] as i8 as i32 * q4 * y[l + 96] as i32;
+                }
+            }
+            sum += f16_at(b, 208) * a.d * isum as f32;
+        }
+        sum
+    }
+}
+
+/// The dot product functions for one processor.
+#[derive(Clone, Copy)]
+pub struct Kernels {
+    pub name: &'static str,
+    pub f32_dot: fn(&[u8], &[f32]) -> f32,
+    pub f16_dot: fn(&[u8], &[f32]) -> f32,
+    pub q4_0: fn(&[u8], &[Q8x32]) -> f32,
+    pub q4_1: fn(&[u8], &[Q8x32]) -> f32,
+    pub q8_0: fn(&[u8], &[Q8x32]) -> f32,
+    pub q4_k: fn(&[u8], &[Q8x256]) -> f32,
+    pub q5_k: fn(&[u8], &[Q8x256]) -> f32,
+    pub q6_k: fn(&[u8], &[Q8x256]) -> f32,
+}
+
+impl Kernels {
+    pub const SCALAR: Kernels = Kernels {
+        name: "scalar",
+        f32_dot: scalar::f32_dot,
+        f16_dot: scalar::f16_dot,
+        q4_0: scalar::q4_0,
+        q4_1: scalar::q4_1,
+        q8_0: scalar::q8_0,
+        q4_k: scalar::q4_k,
+        q5_k: scalar::q5_k,
+        q6_k: scalar::q6_k,
+    };
+
+    /// The fastest set this processor runs; `HEADROOM_CPU_KERNELS=scalar` forces the reference.
+    pub fn detect() -> &'static Kernels {
+        static CHOSEN: std::sync::OnceLock<Kernels> = std::sync::OnceLock::new();
+        CHOSEN.get_or_init(|| {
+            if std::env::var("HEADROOM_CPU_KERNELS").is_ok_and(|v| v == "scalar") {
+                return Kernels::SCALAR;
+            }
+            Self::simd().unwrap_or(Kernels::SCALAR)
+        })
+    }
+
+    /// The SIMD set, where the processor has one.
+    pub fn simd() -> Option<Kernels> {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
+        {
+            return Some(super::avx2::KERNELS);
+        }
+        None
+    }
+}
+
+/// What a weight type multiplies with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ActivationKind {
+    F32,
+    Q8x32,
+    Q8x256,
+}
+
+/// Whether the CPU engine keeps `ty` packed, and what its activations are.
+pub fn activation_kind(ty: GgmlType) -> Option<ActivationKind> {
+    match ty {
+        GgmlType::F32 | GgmlType::F16 => Some(ActivationKind::F32),
+        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => Some(ActivationKind::Q8x32),
+        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => Some(ActivationKind::Q8x256),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// Packed types and where their f16 scales sit in a block.
+    const TYPES: &[(GgmlType, &[usize])] = &[
+        (GgmlType::Q4_0, &[0]),
+        (GgmlType::Q4_1, &[0, 2]),
+        (GgmlType::Q8_0, &[0]),
+        (GgmlType::Q4K, &[0, 2]),
+        (GgmlType::Q5K, &[0, 2]),
+        (GgmlType::Q6K, &[208]),
+    ];
+
+    #[derive(Clone, Copy)]
+    enum Blocks {
+        Random,
+        Zero,
+        /// Every quant and sub-scale at its largest, the f16 scales large.
+        Max,
+    }
+
+    /// `blocks` blocks of `ty`: random bytes with finite f16 scales (random bytes there could be
+    /// NaN), all zero, or saturated.
+    fn blocks(ty: GgmlType, scales: &[usize], n: usize, kind: Blocks, rng: &mut impl Rng) -> Vec<u8> {
+        let size = ty.block_bytes();
+        let mut out = vec![0u8; n * size];
+        for block in out.chunks_exact_mut(size) {
+            match kind {
+                Blocks::Zero => {}
+                Blocks::Random => {
+                    rng.fill(block);
+                    for &at in scales {
+                        let v = f16::from_f32(rng.random_range(-0.05f32..0.05));
+                        block[at..at + 2].copy_from_slice(&v.to_le_bytes());
+                    }
+                }
+                Blocks::Max => {
+                    block.fill(0xff);
+                    if ty == GgmlType::Q8_0 {
+                        block[2..].fill(0x7f);
+                    }
+                    if ty == GgmlType::Q6K {
+                        block[192..208].fill(0x7f);
+                    }
+                    for &at in scales {
+                        block[at..at + 2].copy_from_slice(&f16::from_f32(100.0).to_le_bytes());
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn activations(n: usize, rng: &mut impl Rng) -> Vec<f32> {
+        let mut x: Vec<f32> = (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+        // A block of zeros and a block with one large value: the activation scale's edges.
+        x[..32].fill(0.0);
+        if n > 64 {
+            x[40] = 1e4;
+        }
+        x
+    }
+
+    fn dot_with(k: &Kernels, ty: GgmlType, w: &[u8], x: &[f32]) -> f32 {
+        match activation_kind(ty).unwrap() {
+            ActivationKind::F32 => (if ty == GgmlType::F32 { k.f32_dot } else { k.f16_dot })(w, x),
+            ActivationKind::Q8x32 => {
+                let mut a = vec![Q8x32::default(); x.len() / 32];
+                quantize_q8x32(x, &mut a);
+                (match ty {
+                    GgmlType::Q4_0 => k.q4_0,
+                    GgmlType::Q4_1 => k.q4_1,
+                    _ => k.q8_0,
+                })(w, &a)
+            }
+            ActivationKind::Q8x256 => {
+                let mut a = vec![Q8x256::default(); x.len() / 256];
+                quantize_q8x256(x, &mut a);
+                (match ty {
+                    GgmlType::Q4K => k.q4_k,
+                    GgmlType::Q5K => k.q5_k,
+                    _ => k.q6_k,
+                })(w, &a)
+            }
+        }
+    }
+
+    /// The activations as the kernels see them (quantized and back), so the product of
+    /// dequantized weights with them is exactly what the integer kernels compute.
+    fn seen_activations(ty: GgmlType, x: &[f32]) -> Vec<f32> {
+        match activation_kind(ty).unwrap() {
+            ActivationKind::F32 => x.to_vec(),
+            ActivationKind::Q8x32 => {
+                let mut a = vec![Q8x32::default(); x.len() / 32];
+                quantize_q8x32(x, &mut a);
+                a.iter().flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d)).collect()
+            }
+            ActivationKind::Q8x256 => {
+                let mut a = vec![Q8x256::default(); x.len() / 256];
+                quantize_q8x256(x, &mut a);
+                a.iter().flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d)).collect()
+            }
+        }
+    }
+
+    fn close(a: f32, b: f32, magnitude: f32) -> bool {
+        (a - b).abs() <= 1e-4 * magnitude.max(1e-3)
+    }
+
+    /// The scalar kernels compute what the dequantizer (checked against the `gguf` package in
+    /// tests/reference) says the weights are, times the quantized activations.
+    #[test]
+    fn scalar_kernels_equal_dequantized_products() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        for &(ty, scales) in TYPES {
+            for kind in [Blocks::Random, Blocks::Zero, Blocks::Max] {
+                for n_blocks in [1, 3] {
+                    let cols = n_blocks * ty.block_elements();
+                    let w = blocks(ty, scales, n_blocks, kind, &mut rng);
+                    let x = activations(cols, &mut rng);
+                    let wd = crate::quants::dequantize(ty, &w, cols).unwrap();
+                    let xs = seen_activations(ty, &x);
+                    let expected: f64 = wd.iter().zip(&xs).map(|(a, b)| *a as f64 * *b as f64).sum();
+                    let magnitude: f64 = wd.iter().zip(&xs).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+                    let got = dot_with(&Kernels::SCALAR, ty, &w, &x);
+                    assert!(close(got, expected as f32, magnitude as f32), "{ty} {n_blocks} blocks: {got} vs {expected}");
+                }
+            }
+        }
+    }
+
+    /// Every SIMD kernel equals the scalar reference on random, all-zero and saturated blocks,
+    /// and f32/f16 rows of lengths that leave a remainder.
+    #[test]
+    fn simd_kernels_equal_the_scalar_reference() {
+        let Some(simd) = Kernels::simd() else {
+            eprintln!("no SIMD kernels on this processor; the scalar kernels are the only ones");
+            return;
+        };
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        for &(ty, scales) in TYPES {
+            for kind in [Blocks::Random, Blocks::Zero, Blocks::Max] {
+                for n_blocks in [1, 2, 5] {
+                    let cols = n_blocks * ty.block_elements();
+                    let w = blocks(ty, scales, n_blocks, kind, &mut rng);
+                    let x = activations(cols, &mut rng);
+                    let wd = crate::quants::dequantize(ty, &w, cols).unwrap();
+                    let xs = seen_activations(ty, &x);
+                    let magnitude: f32 = wd.iter().zip(&xs).map(|(a, b)| (a * b).abs()).sum();
+                    let (want, got) = (dot_with(&Kernels::SCALAR, ty, &w, &x), dot_with(&simd, ty, &w, &x));
+                    assert!(close(got, want, magnitude), "{} {ty} {n_blocks} blocks: {got} vs scalar {want}", simd.name);
+                }
+            }
+        }
+        for cols in [1, 7, 8, 31, 33, 100, 576] {
+            let x: Vec<f32> = (0..cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            let w32: Vec<u8> = (0..cols).flat_map(|_| rng.random_range(-1.0f32..1.0).to_le_bytes()).collect();
+            let w16: Vec<u8> = (0..cols).flat_map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0)).to_le_bytes()).collect();
+            for (ty, w) in [(GgmlType::F32, &w32), (GgmlType::F16, &w16)] {
+                let (want, got) = (dot_with(&Kernels::SCALAR, ty, w, &x), dot_with(&simd, ty, w, &x));
+                assert!(close(got, want, cols as f32), "{ty} {cols} values: {got} vs {want}");
+            }
+        }
+    }
+}

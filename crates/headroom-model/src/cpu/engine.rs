@@ -1,0 +1,461 @@
+//! The CPU model: the Llama-family decoder of `model.rs`, computed on packed weights with the
+//! kernels of this module instead of burn's tensors.
+
+use half::f16;
+use rayon::prelude::*;
+
+use super::matrix::{multiply_all, Activations, Bytes, PackedMatrix};
+use crate::config::LlamaConfig;
+use crate::gguf::GgufFile;
+use crate::quants::GgmlType;
+use crate::weights::TensorSource;
+use crate::{Error, Result};
+
+/// How RoPE pairs the dimensions of a head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopePairs {
+    /// `(i, i + d/2)`: Hugging Face's rotate-half layout (and GGUF qwen2).
+    Half,
+    /// `(2i, 2i + 1)`: llama.cpp's layout for the q/k rows its llama converter permuted. Using it
+    /// on the file's row order computes the same attention as un-permuting the rows (q and k are
+    /// permuted alike, so every q·k is unchanged) and leaves the weights mapped as they are.
+    Interleaved,
+}
+
+/// Precision of the CPU KV cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvPrecision {
+    #[default]
+    F32,
+    /// Half the memory; attention reads it back as f32.
+    F16,
+}
+
+impl KvPrecision {
+    pub fn bytes_per_value(self) -> usize {
+        match self {
+            KvPrecision::F32 => 4,
+            KvPrecision::F16 => 2,
+        }
+    }
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    q: PackedMatrix,
+    k: PackedMatrix,
+    v: PackedMatrix,
+    q_bias: Option<Vec<f32>>,
+    k_bias: Option<Vec<f32>>,
+    v_bias: Option<Vec<f32>>,
+    o: PackedMatrix,
+    mlp_norm: Vec<f32>,
+    gate: PackedMatrix,
+    up: PackedMatrix,
+    down: PackedMatrix,
+}
+
+/// A loaded model for the CPU.
+pub struct CpuModel {
+    pub config: LlamaConfig,
+    embed: PackedMatrix,
+    layers: Vec<Layer>,
+    norm: Vec<f32>,
+    /// `None`: the head is tied to the embedding.
+    head: Option<PackedMatrix>,
+    rope_pairs: RopePairs,
+    inv_freq: Vec<f64>,
+    pub kv_precision: KvPrecision,
+}
+
+impl std::fmt::Debug for CpuModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuModel").field("layers", &self.layers.len()).field("rope_pairs", &self.rope_pairs).finish_non_exhaustive()
+    }
+}
+
+/// Where the CPU model's weights come from.
+trait WeightReader {
+    fn matrix(&self, hf_name: &str, rows: usize, cols: usize) -> Result<PackedMatrix>;
+    fn vector(&self, hf_name: &str, len: usize) -> Result<Vec<f32>>;
+}
+
+/// A GGUF file: packed types stay mapped; the others are converted once at load.
+struct GgufReader<'a> {
+    file: &'a GgufFile,
+    config: &'a LlamaConfig,
+}
+
+impl WeightReader for GgufReader<'_> {
+    fn matrix(&self, hf_name: &str, rows: usize, cols: usize) -> Result<PackedMatrix> {
+        let name = crate::gguf_model::gguf_name(hf_name).ok_or_else(|| Error::Weights(format!("no GGUF tensor corresponds to `{hf_name}`")))?;
+        let info = self.file.tensor(&name)?;
+        if info.shape != [rows, cols] {
+            return Err(Error::Weights(format!(
+                "tensor `{name}` has shape {:?} but the model's configuration implies [{rows}, {cols}]",
+                info.shape
+            )));
+        }
+        let fail = |e: String| Error::Weights(format!("tensor `{name}`: {e}"));
+        if super::dot::activation_kind(info.ggml_type).is_some() {
+            return PackedMatrix::new(info.ggml_type, rows, cols, self.file.mapped(info)).map_err(fail);
+        }
+        // Q5_0, Q5_1, Q2_K, Q3_K and BF16 are multiplied as Q8_0 (more bits than the file has,
+        // so nothing is lost beyond Q8_0's rounding), or as f32 where rows are not whole blocks.
+        let (values, _) = self.file.read_f32(&name)?;
+        let _ = self.config;
+        Ok(if cols % 32 == 0 && info.ggml_type != GgmlType::BF16 {
+            PackedMatrix::q8_0_from_f32(&values, rows, cols)
+        } else {
+            PackedMatrix::from_f32(&values, rows, cols)
+        })
+    }
+
+    fn vector(&self, hf_name: &str, len: usize) -> Result<Vec<f32>> {
+        let name = crate::gguf_model::gguf_name(hf_name).ok_or_else(|| Error::Weights(format!("no GGUF tensor corresponds to `{hf_name}`")))?;
+        let (values, shape) = self.file.read_f32(&name)?;
+        if shape != [len] {
+            return Err(Error::Weights(format!("tensor `{name}` has shape {shape:?}, expected [{len}]")));
+        }
+        Ok(values)
+    }
+}
+
+/// Bytes the CPU engine holds for a GGUF file's tensors: packed types as stored, the types it
+/// converts at their converted size (see [`GgufReader::matrix`]), vectors as f32.
+pub fn gguf_weight_bytes(file: &GgufFile) -> u64 {
+    file.tensors
+        .values()
+        .map(|info| {
+            let cols = *info.shape.last().unwrap_or(&0);
+            if super::dot::activation_kind(info.ggml_type).is_some() {
+                info.bytes
+            } else if info.shape.len() == 2 && cols % 32 == 0 && info.ggml_type != GgmlType::BF16 {
+                info.elements() / 32 * GgmlType::Q8_0.block_bytes()
+            } else {
+                info.elements() * 4
+            }
+        })
+        .sum::<usize>() as u64
+}
+
+/// A Hugging Face folder (safetensors): weights as f32 in `[out, in]` rows.
+struct FolderReader<'a>(&'a dyn TensorSource);
+
+impl WeightReader for FolderReader<'_> {
+    fn matrix(&self, hf_name: &str, rows: usize, cols: usize) -> Result<PackedMatrix> {
+        Ok(PackedMatrix::from_f32(&self.0.read_shaped(hf_name, &[rows, cols])?, rows, cols))
+    }
+    fn vector(&self, hf_name: &str, len: usize) -> Result<Vec<f32>> {
+        self.0.read_shaped(hf_name, &[len])
+    }
+}
+
+impl CpuModel {
+    /// Loads a GGUF file's weights, packed types memory-mapped in place.
+    pub fn from_gguf(file: &GgufFile, config: &LlamaConfig, on_layer: impl FnMut(usize, usize)) -> Result<Self> {
+        let permuted = config.model_type == "llama";
+        let rope_pairs = if permuted && !crate::test_defect("keep-qk-permutation") { RopePairs::Interleaved } else { RopePairs::Half };
+        Self::load(&GgufReader { file, config }, config, rope_pairs, on_layer)
+    }
+
+    /// Loads weights from a Hugging Face folder's tensors (f32 in memory).
+    pub fn from_tensors(source: &dyn TensorSource, config: &LlamaConfig, on_layer: impl FnMut(usize, usize)) -> Result<Self> {
+        Self::load(&FolderReader(source), config, RopePairs::Half, on_layer)
+    }
+
+    fn load(files: &dyn WeightReader, config: &LlamaConfig, rope_pairs: RopePairs, mut on_layer: impl FnMut(usize, usize)) -> Result<Self> {
+        let h = config.hidden_size;
+        let (nh, kvh, d) = (config.num_attention_heads, config.kv_heads(), config.head_dim());
+        let inter = config.intermediate_size;
+        let bias = config.has_qkv_bias();
+        let embed = files.matrix("model.embed_tokens.weight", config.vocab_size, h)?;
+        let mut layers = Vec::with_capacity(config.num_hidden_layers);
+        for i in 0..config.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let opt = |name: &str, len: usize| -> Result<Option<Vec<f32>>> {
+                if bias { files.vector(&format!("{p}.self_attn.{name}.bias"), len).map(Some) } else { Ok(None) }
+            };
+            layers.push(Layer {
+                attn_norm: files.vector(&format!("{p}.input_layernorm.weight"), h)?,
+                q: files.matrix(&format!("{p}.self_attn.q_proj.weight"), nh * d, h)?,
+                k: files.matrix(&format!("{p}.self_attn.k_proj.weight"), kvh * d, h)?,
+                v: files.matrix(&format!("{p}.self_attn.v_proj.weight"), kvh * d, h)?,
+                q_bias: opt("q_proj", nh * d)?,
+                k_bias: opt("k_proj", kvh * d)?,
+                v_bias: opt("v_proj", kvh * d)?,
+                o: files.matrix(&format!("{p}.self_attn.o_proj.weight"), h, nh * d)?,
+                mlp_norm: files.vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
+                gate: files.matrix(&format!("{p}.mlp.gate_proj.weight"), inter, h)?,
+                up: files.matrix(&format!("{p}.mlp.up_proj.weight"), inter, h)?,
+                down: files.matrix(&format!("{p}.mlp.down_proj.weight"), h, inter)?,
+            });
+            on_layer(i + 1, config.num_hidden_layers);
+        }
+        let norm = files.vector("model.norm.weight", h)?;
+        let head = if config.tie_word_embeddings { None } else { Some(files.matrix("lm_head.weight", config.vocab_size, h)?) };
+        Ok(Self {
+            config: config.clone(),
+            embed,
+            layers,
+            norm,
+            head,
+            rope_pairs,
+            inv_freq: config.rope_inv_freq(),
+            kv_precision: KvPrecision::default(),
+        })
+    }
+
+    /// Bytes of weights: mapped file ranges and converted copies alike.
+    pub fn weight_bytes(&self) -> usize {
+        let vectors = |l: &Layer| {
+            (l.attn_norm.len() + l.mlp_norm.len() + [&l.q_bias, &l.k_bias, &l.v_bias].iter().map(|b| b.as_ref().map_or(0, Vec::len)).sum::<usize>()) * 4
+        };
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down].iter().map(|m| m.bytes()).sum::<usize>() + vectors(l))
+            .sum();
+        self.embed.bytes() + self.head.as_ref().map_or(0, PackedMatrix::bytes) + layers + self.norm.len() * 4
+    }
+
+    /// Weight bytes one decode step reads: all of them, but for an untied model's embedding,
+    /// of which it reads one row.
+    pub fn bytes_read_per_token(&self) -> usize {
+        match &self.head {
+            Some(_) => self.weight_bytes() - self.embed.bytes() + self.embed.bytes() / self.embed.rows.max(1),
+            None => self.weight_bytes(),
+        }
+    }
+
+    /// A KV cache for `capacity` tokens at the model's configured precision.
+    pub fn new_cache(&self, capacity: usize) -> CpuCache {
+        let (kvh, d) = (self.config.kv_heads(), self.config.head_dim());
+        let per_layer = kvh * capacity * d;
+        let buffer = || match self.kv_precision {
+            KvPrecision::F32 => KvBuffer::F32(vec![0.0; per_layer]),
+            KvPrecision::F16 => KvBuffer::F16(vec![f16::ZERO; per_layer]),
+        };
+        CpuCache {
+            keys: (0..self.layers.len()).map(|_| buffer()).collect(),
+            values: (0..self.layers.len()).map(|_| buffer()).collect(),
+            len: 0,
+            capacity,
+        }
+    }
+
+    /// Feeds `tokens` at position `cache.len` and returns the logits of the last one.
+    pub fn step(&self, tokens: &[u32], cache: &mut CpuCache) -> Vec<f32> {
+        let hidden = self.hidden(tokens, cache);
+        let last = &hidden[hidden.len() - self.config.hidden_size..];
+        let head = self.head.as_ref().unwrap_or(&self.embed);
+        let mut logits = vec![0f32; head.rows];
+        head.multiply(&Activations::new(last, 1, self.config.hidden_size), &mut logits);
+        logits
+    }
+
+    /// Logits for every token fed (`[tokens, vocab]`), for scoring.
+    pub fn step_all(&self, tokens: &[u32], cache: &mut CpuCache) -> Vec<f32> {
+        let hidden = self.hidden(tokens, cache);
+        let head = self.head.as_ref().unwrap_or(&self.embed);
+        let mut logits = vec![0f32; head.rows * tokens.len()];
+        head.multiply(&Activations::new(&hidden, tokens.len(), self.config.hidden_size), &mut logits);
+        logits
+    }
+
+    /// Hidden states after the final norm, `[tokens, hidden]`.
+    fn hidden(&self, tokens: &[u32], cache: &mut CpuCache) -> Vec<f32> {
+        let c = &self.config;
+        let n = tokens.len();
+        let start = cache.len;
+        assert!(n > 0, "at least one token");
+        assert!(start + n <= cache.capacity, "the KV cache holds {} tokens; {} do not fit", cache.capacity, start + n);
+        let (h, nh, kvh, d) = (c.hidden_size, c.num_attention_heads, c.kv_heads(), c.head_dim());
+        let inter = c.intermediate_size;
+        let mut x = Vec::with_capacity(n * h);
+        for &t in tokens {
+            x.extend(self.embed.dequantize_row(t as usize));
+        }
+        let (cos, sin) = self.rope_tables(start, n);
+        let mut normed = vec![0f32; n * h];
+        let mut q = vec![0f32; n * nh * d];
+        let mut k = vec![0f32; n * kvh * d];
+        let mut v = vec![0f32; n * kvh * d];
+        let mut attn = vec![0f32; n * nh * d];
+        let mut proj = vec![0f32; n * h];
+        let mut gate = vec![0f32; n * inter];
+        let mut up = vec![0f32; n * inter];
+        for (li, layer) in self.layers.iter().enumerate() {
+            rms_norm_rows(&x, &layer.attn_norm, c.rms_norm_eps, &mut normed);
+            {
+                let acts = Activations::new(&normed, n, h);
+                multiply_all(&mut [(&layer.q, &mut q[..]), (&layer.k, &mut k[..]), (&layer.v, &mut v[..])], &acts);
+            }
+            for (out, bias) in [(&mut q, &layer.q_bias), (&mut k, &layer.k_bias), (&mut v, &layer.v_bias)] {
+                if let Some(bias) = bias {
+                    out.chunks_exact_mut(bias.len()).for_each(|row| row.iter_mut().zip(bias).for_each(|(o, b)| *o += b));
+                }
+            }
+            for t in 0..n {
+                let (cos, sin) = (&cos[t * d / 2..(t + 1) * d / 2], &sin[t * d / 2..(t + 1) * d / 2]);
+                self.rope(&mut q[t * nh * d..(t + 1) * nh * d], cos, sin, d);
+                self.rope(&mut k[t * kvh * d..(t + 1) * kvh * d], cos, sin, d);
+            }
+            cache.write(li, start, n, kvh, d, &k, &v);
+            cache.attend(li, start, n, nh, kvh, d, &q, &mut attn);
+            layer.o.multiply(&Activations::new(&attn, n, nh * d), &mut proj);
+            x.iter_mut().zip(&proj).for_each(|(x, p)| *x += p);
+
+            rms_norm_rows(&x, &layer.mlp_norm, c.rms_norm_eps, &mut normed);
+            {
+                let acts = Activations::new(&normed, n, h);
+                multiply_all(&mut [(&layer.gate, &mut gate[..]), (&layer.up, &mut up[..])], &acts);
+            }
+            gate.iter_mut().zip(&up).for_each(|(g, u)| *g = *g / (1.0 + (-*g).exp()) * u);
+            layer.down.multiply(&Activations::new(&gate, n, inter), &mut proj);
+            x.iter_mut().zip(&proj).for_each(|(x, p)| *x += p);
+        }
+        cache.len = start + n;
+        rms_norm_rows(&x, &self.norm, c.rms_norm_eps, &mut normed);
+        normed
+    }
+
+    /// cos and sin of every frequency at positions `start..start + n` (`[n, d/2]`), computed in
+    /// f64 as `RopeTables` does.
+    fn rope_tables(&self, start: usize, n: usize) -> (Vec<f32>, Vec<f32>) {
+        let mut cos = Vec::with_capacity(n * self.inv_freq.len());
+        let mut sin = Vec::with_capacity(n * self.inv_freq.len());
+        for pos in start..start + n {
+            for f in &self.inv_freq {
+                let angle = pos as f64 * f;
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+        (cos, sin)
+    }
+
+    fn rope(&self, x: &mut [f32], cos: &[f32], sin: &[f32], d: usize) {
+        let half = d / 2;
+        for head in x.chunks_exact_mut(d) {
+            for i in 0..half {
+                let (a, b) = match self.rope_pairs {
+                    RopePairs::Half => (i, i + half),
+                    RopePairs::Interleaved => (2 * i, 2 * i + 1),
+                };
+                let (x1, x2) = (head[a], head[b]);
+                head[a] = x1 * cos[i] - x2 * sin[i];
+                head[b] = x2 * cos[i] + x1 * sin[i];
+            }
+        }
+    }
+}
+
+fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f64, out: &mut [f32]) {
+    let h = weight.len();
+    for (x, out) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
+        let mean = x.iter().map(|v| v * v).sum::<f32>() / h as f32;
+        let inv = 1.0 / (mean + eps as f32).sqrt();
+        for ((o, v), w) in out.iter_mut().zip(x).zip(weight) {
+            *o = v * inv * w;
+        }
+    }
+}
+
+enum KvBuffer {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+}
+
+/// Keys and values of every layer, `[kv_heads, capacity, head_dim]` each, allocated once for the
+/// request (prompt + max_tokens) so a running generation never grows its memory.
+pub struct CpuCache {
+    keys: Vec<KvBuffer>,
+    values: Vec<KvBuffer>,
+    /// Tokens already stored.
+    pub len: usize,
+    pub capacity: usize,
+}
+
+impl CpuCache {
+    /// Bytes of the cache: 2 × layers × kv_heads × head_dim × capacity × bytes per value.
+    pub fn bytes(config: &LlamaConfig, capacity: usize, precision: KvPrecision) -> usize {
+        2 * config.num_hidden_layers * config.kv_heads() * config.head_dim() * capacity * precision.bytes_per_value()
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn write(&mut self, layer: usize, start: usize, n: usize, kvh: usize, d: usize, k: &[f32], v: &[f32]) {
+        let capacity = self.capacity;
+        for (buffer, src) in [(&mut self.keys[layer], k), (&mut self.values[layer], v)] {
+            for t in 0..n {
+                for g in 0..kvh {
+                    let from = &src[(t * kvh + g) * d..(t * kvh + g + 1) * d];
+                    let at = (g * capacity + start + t) * d;
+                    match buffer {
+                        KvBuffer::F32(b) => b[at..at + d].copy_from_slice(from),
+                        KvBuffer::F16(b) => b[at..at + d].iter_mut().zip(from).for_each(|(o, v)| *o = f16::from_f32(*v)),
+                    }
+                }
+            }
+        }
+    }
+
+    /// Causal attention of the `n` new queries (positions `start..start + n`) over the cache.
+    #[allow(clippy::too_many_arguments)]
+    fn attend(&self, layer: usize, start: usize, n: usize, nh: usize, kvh: usize, d: usize, q: &[f32], out: &mut [f32]) {
+        let (keys, values, capacity) = (&self.keys[layer], &self.values[layer], self.capacity);
+        let rep = nh / kvh;
+        let scale = 1.0 / (d as f32).sqrt();
+        let per_item = |item: usize, out: &mut [f32]| {
+            let (t, head) = (item / nh, item % nh);
+            let g = head / rep;
+            let seen = start + t + 1;
+            let qh = &q[(t * nh + head) * d..(t * nh + head + 1) * d];
+            let mut scores = vec![0f32; seen];
+            let mut row = vec![0f32; d];
+            for (j, s) in scores.iter_mut().enumerate() {
+                let k = read_row(keys, (g * capacity + j) * d, d, &mut row);
+                *s = qh.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale;
+            }
+            let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+            let mut total = 0f32;
+            for s in scores.iter_mut() {
+                *s = (*s - max).exp();
+                total += *s;
+            }
+            out.fill(0.0);
+            for (j, &p) in scores.iter().enumerate() {
+                let v = read_row(values, (g * capacity + j) * d, d, &mut row);
+                let p = p / total;
+                out.iter_mut().zip(v).for_each(|(o, v)| *o += p * v);
+            }
+        };
+        let work = n * nh * (start + n) * d;
+        if work >= 256 * 1024 && rayon::current_num_threads() > 1 {
+            out.par_chunks_mut(d).enumerate().for_each(|(i, o)| per_item(i, o));
+        } else {
+            out.chunks_mut(d).enumerate().for_each(|(i, o)| per_item(i, o));
+        }
+    }
+}
+
+/// `d` values of a KV buffer at `at`, converted into `scratch` when stored as f16.
+fn read_row<'a>(buffer: &'a KvBuffer, at: usize, d: usize, scratch: &'a mut [f32]) -> &'a [f32] {
+    match buffer {
+        KvBuffer::F32(b) => &b[at..at + d],
+        KvBuffer::F16(b) => {
+            for (o, v) in scratch.iter_mut().zip(&b[at..at + d]) {
+                *o = v.to_f32();
+            }
+            scratch
+        }
+    }
+}
+
+impl GgufFile {
+    /// A tensor's bytes as a range of the shared mapping (no copy).
+    pub(crate) fn mapped(&self, info: &crate::gguf::TensorInfo) -> Bytes {
+        Bytes::Mapped { map: self.map.clone(), start: info.offset, len: info.bytes }
+    }
+}

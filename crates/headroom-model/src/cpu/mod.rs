@@ -1,0 +1,19 @@
+//! The CPU engine: GGUF weights stay in their block layout (memory-mapped where the file holds
+//! them in a packed type) and are multiplied by SIMD kernels against activations quantized per
+//! block, as llama.cpp does, so a decode step streams 4–8 bits per weight instead of 32.
+//!
+//! - [`dot`]: activation blocks, the scalar reference dot products, run-time kernel choice;
+//! - `avx2`: the x86-64 kernels (AVX2, FMA, F16C);
+//! - [`matrix`]: packed matrices and their threaded products (decode rows and prefill tiles);
+//! - [`engine`]: the decoder on top ([`CpuModel`], [`CpuCache`]).
+//!
+//! Other processors (aarch64 included) run the scalar kernels.
+
+pub mod dot;
+pub mod engine;
+pub mod matrix;
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+
+pub use engine::{CpuCache, CpuModel, KvPrecision, RopePairs};
+pub use matrix::{Activations, Bytes, PackedMatrix};
