@@ -8,7 +8,10 @@ step "install"
 HEADROOM_SKIP_BUILD=1 ./scripts/install.sh
 # The end-to-end suites drive a real server with the official openai package and schemathesis.
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/pip install -q --disable-pip-version-check -r tests/python/requirements.txt -r tests/reference/requirements.txt
+# llama.cpp is built for AVX2/FMA/F16C, not -march=native: some VMs report AMX that a process may
+# not use, and a native build dies there with SIGILL on its first matmul.
+CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
+  .venv/bin/pip install -q --disable-pip-version-check -r tests/python/requirements.txt -r tests/reference/requirements.txt
 
 # The browser end-to-end test drives Debian's Chromium (never a downloaded browser); the desktop
 # app needs WebKitGTK and the tray library, and its end-to-end test Xvfb, D-Bus and WebKitWebDriver.
