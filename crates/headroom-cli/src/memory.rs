@@ -42,11 +42,11 @@ pub fn plan(bundle: &ModelBundle, mut config: MemoryConfig, args: PlanArgs) -> R
     if let Some(mib) = args.vram_reserve_mib {
         config.vram_reserve_mib = Some(mib);
     }
-    let shape = ModelShape::from_config(&bundle.config);
     // A GPU plan uses the CUDA calibration when one was measured; a CPU-only plan the CPU one.
     let gpu_reading = gpu_memory(0);
     let backend = if args.vram_total_mib.is_some() || gpu_reading.is_some() { "cuda" } else { "cpu" };
     let (planner, calibration) = planner_for(bundle, backend, config.clone());
+    let shape = planner.shape.clone();
     let request = RequestShape {
         prompt_tokens: args.prompt_tokens,
         max_tokens: args.max_tokens,

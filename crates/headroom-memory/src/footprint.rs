@@ -22,6 +22,10 @@ pub struct ModelShape {
     /// Bytes per element as the backend holds the weights and activations.
     pub dtype_bytes: u64,
     pub context: u64,
+    /// Bytes of weights where they are not `parameters × dtype_bytes`: the CPU engine holds a
+    /// GGUF file's packed tensors. 0: `parameters × dtype_bytes`.
+    #[serde(default)]
+    pub packed_weights_bytes: u64,
 }
 
 impl ModelShape {
@@ -38,11 +42,26 @@ impl ModelShape {
             parameters: config.parameter_count() as u64,
             dtype_bytes: 4,
             context: config.max_position_embeddings as u64,
+            packed_weights_bytes: 0,
         }
     }
 
+    /// The shape on `backend`: on the CPU, the engine's weights are the file's packed bytes
+    /// ([`headroom_model::ModelBundle::cpu_weight_bytes`]); a GPU holds them as f32.
+    pub fn for_backend(bundle: &headroom_model::ModelBundle, backend: &str) -> Self {
+        let mut shape = Self::from_config(&bundle.config);
+        if backend == "cpu" {
+            shape.packed_weights_bytes = bundle.cpu_weight_bytes;
+        }
+        shape
+    }
+
     pub fn weights_bytes(&self) -> u64 {
-        self.parameters * self.dtype_bytes
+        if self.packed_weights_bytes > 0 {
+            self.packed_weights_bytes
+        } else {
+            self.parameters * self.dtype_bytes
+        }
     }
 
     /// 2 (K and V) × layers × kv_heads × head_dim × dtype bytes.
@@ -269,6 +288,7 @@ mod tests {
             parameters: 1_235_814_400,
             dtype_bytes: 2,
             context: 131_072,
+            packed_weights_bytes: 0,
         }
     }
 

@@ -19,6 +19,7 @@ fn shape() -> ModelShape {
         parameters: 1_235_814_400,
         dtype_bytes: 2,
         context: 131_072,
+        packed_weights_bytes: 0,
     }
 }
 

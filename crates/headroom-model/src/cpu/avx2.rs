@@ -1,6 +1,10 @@
 //! The dot products with AVX2, FMA and F16C (x86-64 since Haswell). Same arithmetic as
 //! [`super::dot::scalar`]: integer sums per block with `maddubs`/`madd`, one fused multiply-add
 //! of the block's scale per block, a horizontal sum at the end.
+//!
+//! Each call computes up to four rows against one activation row: the activation block is
+//! loaded once for all of them, the four accumulator chains overlap, and the per-row costs (call,
+//! horizontal sum) are shared — rows of small models are only a few blocks long.
 
 #![allow(unsafe_op_in_unsafe_fn)]
 
@@ -10,15 +14,47 @@ use super::dot::{scale_min_k4, Kernels, Q8x256, Q8x32};
 
 pub const KERNELS: Kernels = Kernels {
     name: "avx2",
-    f32_dot: |w, x| unsafe { f32_dot(w, x) },
-    f16_dot: |w, x| unsafe { f16_dot(w, x) },
-    q4_0: |w, a| unsafe { q4_0(w, a) },
-    q4_1: |w, a| unsafe { q4_1(w, a) },
-    q8_0: |w, a| unsafe { q8_0(w, a) },
-    q4_k: |w, a| unsafe { q4_k(w, a) },
-    q5_k: |w, a| unsafe { q5_k(w, a) },
-    q6_k: |w, a| unsafe { q6_k(w, a) },
+    f32_rows: |w, rb, x, out| unsafe { by_rows(out.len(), |n| f32_rows(n, w, rb, x, out)) },
+    f16_rows: |w, rb, x, out| unsafe { by_rows(out.len(), |n| f16_rows(n, w, rb, x, out)) },
+    q4_0: |w, rb, a, out| unsafe { by_rows(out.len(), |n| q4_0(n, w, rb, a, out)) },
+    q4_1: |w, rb, a, out| unsafe { by_rows(out.len(), |n| q4_1(n, w, rb, a, out)) },
+    q8_0: |w, rb, a, out| unsafe { by_rows(out.len(), |n| q8_0(n, w, rb, a, out)) },
+    q4_k: |w, rb, a, out| unsafe { by_rows(out.len(), |n| q4_k(n, w, rb, a, out)) },
+    q5_k: |w, rb, a, out| unsafe { by_rows(out.len(), |n| q5_k(n, w, rb, a, out)) },
+    q6_k: |w, rb, a, out| unsafe { by_rows(out.len(), |n| q6_k(n, w, rb, a, out)) },
 };
+
+/// Runs `kernel` with the row count as a compile-time constant (1 to 4).
+#[inline(always)]
+fn by_rows(rows: usize, kernel: impl FnOnce(Rows)) {
+    assert!((1..=4).contains(&rows), "1 to 4 rows per call, not {rows}");
+    kernel(match rows {
+        1 => Rows::One,
+        2 => Rows::Two,
+        3 => Rows::Three,
+        _ => Rows::Four,
+    })
+}
+
+#[derive(Clone, Copy)]
+enum Rows {
+    One,
+    Two,
+    Three,
+    Four,
+}
+
+/// Dispatches a generic kernel body on [`Rows`].
+macro_rules! rows {
+    ($n:expr, $f:ident($($arg:expr),*)) => {
+        match $n {
+            Rows::One => $f::<1>($($arg),*),
+            Rows::Two => $f::<2>($($arg),*),
+            Rows::Three => $f::<3>($($arg),*),
+            Rows::Four => $f::<4>($($arg),*),
+        }
+    };
+}
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -61,137 +97,178 @@ unsafe fn nibbles(p: *const u8) -> __m256i {
     _mm256_and_si256(both, _mm256_set1_epi8(0x0f))
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f32_dot(w: &[u8], x: &[f32]) -> f32 {
-    let n = x.len();
-    debug_assert!(w.len() >= n * 4);
-    let (wp, xp) = (w.as_ptr() as *const f32, x.as_ptr());
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let mut i = 0;
-    while i + 32 <= n {
-        for (k, a) in acc.iter_mut().enumerate() {
-            *a = _mm256_fmadd_ps(_mm256_loadu_ps(wp.add(i + 8 * k)), _mm256_loadu_ps(xp.add(i + 8 * k)), *a);
-        }
-        i += 32;
-    }
-    while i + 8 <= n {
-        acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(wp.add(i)), _mm256_loadu_ps(xp.add(i)), acc[0]);
-        i += 8;
-    }
-    let mut sum = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-    while i < n {
-        sum += wp.add(i).read_unaligned() * *xp.add(i);
-        i += 1;
-    }
-    sum
+unsafe fn f32_rows(n: Rows, w: &[u8], row_bytes: usize, x: &[f32], out: &mut [f32]) {
+    assert!(w.len() >= (out.len() - 1) * row_bytes + x.len() * 4);
+    rows!(n, float_rows(w.as_ptr(), row_bytes, x, out.as_mut_ptr(), false))
 }
 
+unsafe fn f16_rows(n: Rows, w: &[u8], row_bytes: usize, x: &[f32], out: &mut [f32]) {
+    assert!(w.len() >= (out.len() - 1) * row_bytes + x.len() * 2);
+    rows!(n, float_rows(w.as_ptr(), row_bytes, x, out.as_mut_ptr(), true))
+}
+
+/// `N` f32 or f16 rows times `x`, eight columns at a time.
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16_dot(w: &[u8], x: &[f32]) -> f32 {
+unsafe fn float_rows<const N: usize>(w: *const u8, row_bytes: usize, x: &[f32], out: *mut f32, half: bool) {
     let n = x.len();
-    debug_assert!(w.len() >= n * 2);
-    let (wp, xp) = (w.as_ptr(), x.as_ptr());
-    let mut acc = [_mm256_setzero_ps(); 2];
+    let xp = x.as_ptr();
+    let load = |r: usize, i: usize| -> __m256 {
+        if half {
+            _mm256_cvtph_ps(_mm_loadu_si128(w.add(r * row_bytes + 2 * i) as *const __m128i))
+        } else {
+            _mm256_loadu_ps(w.add(r * row_bytes + 4 * i) as *const f32)
+        }
+    };
+    let mut acc = [[_mm256_setzero_ps(); 2]; N];
     let mut i = 0;
     while i + 16 <= n {
-        for (k, a) in acc.iter_mut().enumerate() {
-            let wv = _mm256_cvtph_ps(_mm_loadu_si128(wp.add(2 * (i + 8 * k)) as *const __m128i));
-            *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xp.add(i + 8 * k)), *a);
+        let (x0, x1) = (_mm256_loadu_ps(xp.add(i)), _mm256_loadu_ps(xp.add(i + 8)));
+        for (r, a) in acc.iter_mut().enumerate() {
+            a[0] = _mm256_fmadd_ps(load(r, i), x0, a[0]);
+            a[1] = _mm256_fmadd_ps(load(r, i + 8), x1, a[1]);
         }
         i += 16;
     }
-    let mut sum = hsum(_mm256_add_ps(acc[0], acc[1]));
-    while i < n {
-        sum += half::f16::from_le_bytes([*wp.add(2 * i), *wp.add(2 * i + 1)]).to_f32() * *xp.add(i);
-        i += 1;
+    if i + 8 <= n {
+        let x0 = _mm256_loadu_ps(xp.add(i));
+        for (r, a) in acc.iter_mut().enumerate() {
+            a[0] = _mm256_fmadd_ps(load(r, i), x0, a[0]);
+        }
+        i += 8;
     }
-    sum
+    for (r, a) in acc.iter().enumerate() {
+        let mut sum = hsum(_mm256_add_ps(a[0], a[1]));
+        for j in i..n {
+            let v = if half {
+                let p = w.add(r * row_bytes + 2 * j);
+                half::f16::from_le_bytes([*p, *p.add(1)]).to_f32()
+            } else {
+                (w.add(r * row_bytes + 4 * j) as *const f32).read_unaligned()
+            };
+            sum += v * *xp.add(j);
+        }
+        *out.add(r) = sum;
+    }
 }
 
-/// The 32-value block types, two blocks per iteration so the two accumulator chains overlap:
-/// `block(bytes, activations)` gives a block's eight i32 sums, its scale and its min term.
+/// Asks for the bytes at `offset` of the next call's rows (the `N` rows after these) while these
+/// are computed: rows are read front to back, but the hardware prefetcher stops at every 4 KiB
+/// page, and a decode step starts a new page every few rows.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn sum_blocks32(w: &[u8], a: &[Q8x32], size: usize, block: impl Fn(*const u8, &Q8x32) -> (__m256i, f32, f32)) -> f32 {
-    debug_assert!(w.len() >= a.len() * size);
-    let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-    let (mut min0, mut min1) = (0f32, 0f32);
-    let base = w.as_ptr();
-    let pairs = a.len() / 2;
-    for i in 0..pairs {
-        let (s0, d0, m0) = block(base.add(2 * i * size), &a[2 * i]);
-        let (s1, d1, m1) = block(base.add((2 * i + 1) * size), &a[2 * i + 1]);
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0), _mm256_cvtepi32_ps(s0), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d1), _mm256_cvtepi32_ps(s1), acc1);
-        min0 += m0;
-        min1 += m1;
+unsafe fn prefetch_next_rows<const N: usize>(w: *const u8, row_bytes: usize, offset: usize) {
+    for r in 0..N {
+        // `wrapping_add`: the address may lie past the matrix; a prefetch never faults.
+        _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add((N + r) * row_bytes + offset) as *const i8);
     }
-    if a.len() % 2 == 1 {
-        let last = a.len() - 1;
-        let (s0, d0, m0) = block(base.add(last * size), &a[last]);
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0), _mm256_cvtepi32_ps(s0), acc0);
-        min0 += m0;
+}
+
+/// `N` rows of a 32-value block type: `block(weights, activations, activation block)` gives a
+/// block's eight i32 sums, its scale and its min term.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows32<const N: usize>(
+    w: *const u8,
+    row_bytes: usize,
+    a: &[Q8x32],
+    size: usize,
+    out: *mut f32,
+    block: impl Fn(*const u8, __m256i, &Q8x32) -> (__m256i, f32, f32),
+) {
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut mins = [0f32; N];
+    for (i, ab) in a.iter().enumerate() {
+        let y = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
+        prefetch_next_rows::<N>(w, row_bytes, i * size);
+        for r in 0..N {
+            let (s, d, m) = block(w.add(r * row_bytes + i * size), y, ab);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc[r]);
+            mins[r] += m;
+        }
     }
-    hsum(_mm256_add_ps(acc0, acc1)) + (min0 + min1)
+    for r in 0..N {
+        *out.add(r) = hsum(acc[r]) + mins[r];
+    }
+}
+
+fn check<T>(w: &[u8], row_bytes: usize, a: &[T], block_bytes: usize, out: &[f32]) {
+    assert!(w.len() >= (out.len() - 1) * row_bytes + a.len() * block_bytes, "rows shorter than the activations");
+}
+
+unsafe fn q4_0(n: Rows, w: &[u8], row_bytes: usize, a: &[Q8x32], out: &mut [f32]) {
+    check(w, row_bytes, a, 18, out);
+    rows!(n, q4_0_rows(w.as_ptr(), row_bytes, a, out.as_mut_ptr()))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_0(w: &[u8], a: &[Q8x32]) -> f32 {
+unsafe fn q4_0_rows<const N: usize>(w: *const u8, row_bytes: usize, a: &[Q8x32], out: *mut f32) {
     let offset = _mm256_set1_epi8(8);
-    sum_blocks32(w, a, 18, |b, a| {
+    rows32::<N>(w, row_bytes, a, 18, out, |b, y, a| {
         let q = _mm256_sub_epi8(nibbles(b.add(2)), offset);
-        let y = _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i);
         (dot_i8(q, y), f16_scale(b) * a.d, 0.0)
     })
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_1(w: &[u8], a: &[Q8x32]) -> f32 {
-    sum_blocks32(w, a, 20, |b, a| {
-        let y = _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i);
-        (dot_u8_i8(nibbles(b.add(4)), y), f16_scale(b) * a.d, f16_scale(b.add(2)) * a.s)
-    })
+unsafe fn q4_1(n: Rows, w: &[u8], row_bytes: usize, a: &[Q8x32], out: &mut [f32]) {
+    check(w, row_bytes, a, 20, out);
+    rows!(n, q4_1_rows(w.as_ptr(), row_bytes, a, out.as_mut_ptr()))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_0(w: &[u8], a: &[Q8x32]) -> f32 {
-    sum_blocks32(w, a, 34, |b, a| {
+unsafe fn q4_1_rows<const N: usize>(w: *const u8, row_bytes: usize, a: &[Q8x32], out: *mut f32) {
+    rows32::<N>(w, row_bytes, a, 20, out, |b, y, a| (dot_u8_i8(nibbles(b.add(4)), y), f16_scale(b) * a.d, f16_scale(b.add(2)) * a.s))
+}
+
+unsafe fn q8_0(n: Rows, w: &[u8], row_bytes: usize, a: &[Q8x32], out: &mut [f32]) {
+    check(w, row_bytes, a, 34, out);
+    rows!(n, q8_0_rows(w.as_ptr(), row_bytes, a, out.as_mut_ptr()))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_0_rows<const N: usize>(w: *const u8, row_bytes: usize, a: &[Q8x32], out: *mut f32) {
+    rows32::<N>(w, row_bytes, a, 34, out, |b, y, a| {
         let q = _mm256_loadu_si256(b.add(2) as *const __m256i);
-        let y = _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i);
         (dot_i8(q, y), f16_scale(b) * a.d, 0.0)
     })
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_k(w: &[u8], a: &[Q8x256]) -> f32 {
-    k_sum(w, a, 144, |b| (None, b.add(16)))
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q5_k(w: &[u8], a: &[Q8x256]) -> f32 {
-    k_sum(w, a, 176, |b| (Some(b.add(16)), b.add(48)))
-}
-
+/// `N` rows of a K-quant type: `block(weights, the 256 activations as 8 vectors, activation
+/// block)` gives a super-block's eight i32 sums, its scale and its min term.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn k_sum(w: &[u8], a: &[Q8x256], block: usize, parts: impl Fn(*const u8) -> (Option<*const u8>, *const u8)) -> f32 {
-    debug_assert!(w.len() >= a.len() * block);
-    let mut acc = _mm256_setzero_ps();
-    let mut mins = 0f32;
-    for (i, a) in a.iter().enumerate() {
-        let b = w.as_ptr().add(i * block);
-        let (qh, qs) = parts(b);
-        let (sumi, d, m) = k4_k5_block(b, a, qh, qs);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
-        mins += m;
+unsafe fn rows256<const N: usize>(
+    w: *const u8,
+    row_bytes: usize,
+    a: &[Q8x256],
+    size: usize,
+    out: *mut f32,
+    block: impl Fn(*const u8, &[__m256i; 8], &Q8x256) -> (__m256i, f32, f32),
+) {
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut mins = [0f32; N];
+    for (i, ab) in a.iter().enumerate() {
+        let p = ab.qs.as_ptr() as *const __m256i;
+        let y = [0, 1, 2, 3, 4, 5, 6, 7].map(|k| _mm256_loadu_si256(p.add(k)));
+        for line in (0..size).step_by(64) {
+            prefetch_next_rows::<N>(w, row_bytes, i * size + line);
+        }
+        for r in 0..N {
+            let (s, d, m) = block(w.add(r * row_bytes + i * size), &y, ab);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc[r]);
+            mins[r] += m;
+        }
     }
-    hsum(acc) - mins
+    for r in 0..N {
+        *out.add(r) = hsum(acc[r]) - mins[r];
+    }
 }
 
-/// One Q4_K/Q5_K super-block: the scaled integer sums (eight i32), `d`, and `dmin · Σ min · bsum`.
+/// One Q4_K/Q5_K super-block (`qh`: Q5_K's fifth bits): the scaled integer sums, `d`, and
+/// `dmin · Σ min · bsum`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn k4_k5_block(b: *const u8, a: &Q8x256, qh: Option<*const u8>, qs: *const u8) -> (__m256i, f32, f32) {
+unsafe fn k4_k5_block(b: *const u8, y: &[__m256i; 8], a: &Q8x256, qh: Option<*const u8>, qs: *const u8) -> (__m256i, f32, f32) {
     let scales = std::slice::from_raw_parts(b.add(4), 12);
     let low = _mm256_set1_epi8(0x0f);
     let one = _mm256_set1_epi8(1);
@@ -210,10 +287,8 @@ unsafe fn k4_k5_block(b: *const u8, a: &Q8x256, qh: Option<*const u8>, qs: *cons
             q1 = _mm256_or_si256(q1, _mm256_slli_epi16(h1, 4));
             q2 = _mm256_or_si256(q2, _mm256_slli_epi16(h2, 4));
         }
-        let y1 = _mm256_loadu_si256(a.qs.as_ptr().add(pair * 64) as *const __m256i);
-        let y2 = _mm256_loadu_si256(a.qs.as_ptr().add(pair * 64 + 32) as *const __m256i);
-        let p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(q1, y1), _mm256_set1_epi16(s1 as i16));
-        let p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(q2, y2), _mm256_set1_epi16(s2 as i16));
+        let p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(q1, y[2 * pair]), _mm256_set1_epi16(s1 as i16));
+        let p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(q2, y[2 * pair + 1]), _mm256_set1_epi16(s2 as i16));
         sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p1, p2));
         let j = 4 * pair;
         mins += m1 as i32 * (a.bsums[j] as i32 + a.bsums[j + 1] as i32);
@@ -222,15 +297,37 @@ unsafe fn k4_k5_block(b: *const u8, a: &Q8x256, qh: Option<*const u8>, qs: *cons
     (sumi, f16_scale(b) * a.d, f16_scale(b.add(2)) * a.d * mins as f32)
 }
 
+unsafe fn q4_k(n: Rows, w: &[u8], row_bytes: usize, a: &[Q8x256], out: &mut [f32]) {
+    check(w, row_bytes, a, 144, out);
+    rows!(n, q4_k_rows(w.as_ptr(), row_bytes, a, out.as_mut_ptr()))
+}
+
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6_k(w: &[u8], a: &[Q8x256]) -> f32 {
-    debug_assert!(w.len() >= a.len() * 210);
-    let low = _mm256_set1_epi8(0x0f);
-    let three = _mm256_set1_epi8(3);
-    let m32 = _mm256_set1_epi8(32);
-    let mut acc = _mm256_setzero_ps();
-    for (i, a) in a.iter().enumerate() {
-        let b = w.as_ptr().add(i * 210);
+unsafe fn q4_k_rows<const N: usize>(w: *const u8, row_bytes: usize, a: &[Q8x256], out: *mut f32) {
+    rows256::<N>(w, row_bytes, a, 144, out, |b, y, a| k4_k5_block(b, y, a, None, b.add(16)))
+}
+
+unsafe fn q5_k(n: Rows, w: &[u8], row_bytes: usize, a: &[Q8x256], out: &mut [f32]) {
+    check(w, row_bytes, a, 176, out);
+    rows!(n, q5_k_rows(w.as_ptr(), row_bytes, a, out.as_mut_ptr()))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_k_rows<const N: usize>(w: *const u8, row_bytes: usize, a: &[Q8x256], out: *mut f32) {
+    rows256::<N>(w, row_bytes, a, 176, out, |b, y, a| k4_k5_block(b, y, a, Some(b.add(16)), b.add(48)))
+}
+
+unsafe fn q6_k(n: Rows, w: &[u8], row_bytes: usize, a: &[Q8x256], out: &mut [f32]) {
+    check(w, row_bytes, a, 210, out);
+    rows!(n, q6_k_rows(w.as_ptr(), row_bytes, a, out.as_mut_ptr()))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6_k_rows<const N: usize>(w: *const u8, row_bytes: usize, a: &[Q8x256], out: *mut f32) {
+    rows256::<N>(w, row_bytes, a, 210, out, |b, y, a| {
+        let low = _mm256_set1_epi8(0x0f);
+        let three = _mm256_set1_epi8(3);
+        let m32 = _mm256_set1_epi8(32);
         let scales = b.add(192) as *const i8;
         let mut sumi = _mm256_setzero_si256();
         for half in 0..2 {
@@ -245,7 +342,7 @@ unsafe fn q6_k(w: &[u8], a: &[Q8x256]) -> f32 {
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low), high(6)),
             ];
             for (k, q) in q.into_iter().enumerate() {
-                let y = _mm256_loadu_si256(a.qs.as_ptr().add(half * 128 + k * 32) as *const __m256i);
+                let y = y[half * 4 + k];
                 // (q − 32)·y as q·y − 32·y: maddubs needs its first operand unsigned.
                 let p = _mm256_sub_epi16(_mm256_maddubs_epi16(q, y), _mm256_maddubs_epi16(m32, y));
                 let s = scales.add(half * 8 + 2 * k);
@@ -253,8 +350,6 @@ unsafe fn q6_k(w: &[u8], a: &[Q8x256]) -> f32 {
                 sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, scale));
             }
         }
-        let d = _mm256_set1_ps(f16_scale(b.add(208)) * a.d);
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc);
-    }
-    hsum(acc)
+        (sumi, f16_scale(b.add(208)) * a.d, 0.0)
+    })
 }

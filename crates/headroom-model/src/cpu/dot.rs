@@ -206,31 +206,50 @@ pub mod scalar {
     }
 }
 
-/// The dot product functions for one processor.
+/// `rows` weight rows (`row_bytes` apart, at most 4) times one f32 activation row, into `out`.
+pub type FloatRows = fn(w: &[u8], row_bytes: usize, x: &[f32], out: &mut [f32]);
+/// The same for the 32-value block types.
+pub type Q32Rows = fn(w: &[u8], row_bytes: usize, a: &[Q8x32], out: &mut [f32]);
+/// The same for the K-quants.
+pub type Q256Rows = fn(w: &[u8], row_bytes: usize, a: &[Q8x256], out: &mut [f32]);
+
+/// The dot product functions for one processor; each takes 1 to 4 rows at a time.
 #[derive(Clone, Copy)]
 pub struct Kernels {
     pub name: &'static str,
-    pub f32_dot: fn(&[u8], &[f32]) -> f32,
-    pub f16_dot: fn(&[u8], &[f32]) -> f32,
-    pub q4_0: fn(&[u8], &[Q8x32]) -> f32,
-    pub q4_1: fn(&[u8], &[Q8x32]) -> f32,
-    pub q8_0: fn(&[u8], &[Q8x32]) -> f32,
-    pub q4_k: fn(&[u8], &[Q8x256]) -> f32,
-    pub q5_k: fn(&[u8], &[Q8x256]) -> f32,
-    pub q6_k: fn(&[u8], &[Q8x256]) -> f32,
+    pub f32_rows: FloatRows,
+    pub f16_rows: FloatRows,
+    pub q4_0: Q32Rows,
+    pub q4_1: Q32Rows,
+    pub q8_0: Q32Rows,
+    pub q4_k: Q256Rows,
+    pub q5_k: Q256Rows,
+    pub q6_k: Q256Rows,
+}
+
+/// A scalar row kernel applied to each of the rows.
+macro_rules! each_row {
+    ($f:path, $bytes:expr) => {
+        |w, row_bytes, a, out| {
+            let len = a.len() * $bytes;
+            for (r, o) in out.iter_mut().enumerate() {
+                *o = $f(&w[r * row_bytes..r * row_bytes + len], a);
+            }
+        }
+    };
 }
 
 impl Kernels {
     pub const SCALAR: Kernels = Kernels {
         name: "scalar",
-        f32_dot: scalar::f32_dot,
-        f16_dot: scalar::f16_dot,
-        q4_0: scalar::q4_0,
-        q4_1: scalar::q4_1,
-        q8_0: scalar::q8_0,
-        q4_k: scalar::q4_k,
-        q5_k: scalar::q5_k,
-        q6_k: scalar::q6_k,
+        f32_rows: each_row!(scalar::f32_dot, 4),
+        f16_rows: each_row!(scalar::f16_dot, 2),
+        q4_0: each_row!(scalar::q4_0, 18),
+        q4_1: each_row!(scalar::q4_1, 20),
+        q8_0: each_row!(scalar::q8_0, 34),
+        q4_k: each_row!(scalar::q4_k, 144),
+        q5_k: each_row!(scalar::q5_k, 176),
+        q6_k: each_row!(scalar::q6_k, 210),
     };
 
     /// The fastest set this processor runs; `HEADROOM_CPU_KERNELS=scalar` forces the reference.
@@ -341,8 +360,15 @@ mod tests {
     }
 
     fn dot_with(k: &Kernels, ty: GgmlType, w: &[u8], x: &[f32]) -> f32 {
+        let mut out = [0f32];
+        rows_with(k, ty, w, w.len(), x, &mut out);
+        out[0]
+    }
+
+    /// `out.len()` rows of `row_bytes` each, times `x`.
+    fn rows_with(k: &Kernels, ty: GgmlType, w: &[u8], row_bytes: usize, x: &[f32], out: &mut [f32]) {
         match activation_kind(ty).unwrap() {
-            ActivationKind::F32 => (if ty == GgmlType::F32 { k.f32_dot } else { k.f16_dot })(w, x),
+            ActivationKind::F32 => (if ty == GgmlType::F32 { k.f32_rows } else { k.f16_rows })(w, row_bytes, x, out),
             ActivationKind::Q8x32 => {
                 let mut a = vec![Q8x32::default(); x.len() / 32];
                 quantize_q8x32(x, &mut a);
@@ -350,7 +376,7 @@ mod tests {
                     GgmlType::Q4_0 => k.q4_0,
                     GgmlType::Q4_1 => k.q4_1,
                     _ => k.q8_0,
-                })(w, &a)
+                })(w, row_bytes, &a, out)
             }
             ActivationKind::Q8x256 => {
                 let mut a = vec![Q8x256::default(); x.len() / 256];
@@ -359,7 +385,7 @@ mod tests {
                     GgmlType::Q4K => k.q4_k,
                     GgmlType::Q5K => k.q5_k,
                     _ => k.q6_k,
-                })(w, &a)
+                })(w, row_bytes, &a, out)
             }
         }
     }
@@ -428,6 +454,21 @@ mod tests {
                     let magnitude: f32 = wd.iter().zip(&xs).map(|(a, b)| (a * b).abs()).sum();
                     let (want, got) = (dot_with(&Kernels::SCALAR, ty, &w, &x), dot_with(&simd, ty, &w, &x));
                     assert!(close(got, want, magnitude), "{} {ty} {n_blocks} blocks: {got} vs scalar {want}", simd.name);
+                }
+            }
+        }
+        // Two to four rows per call give each row what one row per call gives.
+        for &(ty, scales) in TYPES {
+            let cols = 3 * ty.block_elements();
+            let row_bytes = 3 * ty.block_bytes();
+            let w = blocks(ty, scales, 4 * 3, Blocks::Random, &mut rng);
+            let x = activations(cols, &mut rng);
+            for rows in 2..=4 {
+                let mut together = vec![0f32; rows];
+                rows_with(&simd, ty, &w, row_bytes, &x, &mut together);
+                for (r, got) in together.iter().enumerate() {
+                    let alone = dot_with(&Kernels::SCALAR, ty, &w[r * row_bytes..(r + 1) * row_bytes], &x);
+                    assert!(close(*got, alone, 4.0 * alone.abs().max(1.0)), "{ty} row {r} of {rows}: {got} vs {alone}");
                 }
             }
         }

@@ -155,6 +155,9 @@ impl WeightReader for FolderReader<'_> {
 impl CpuModel {
     /// Loads a GGUF file's weights, packed types memory-mapped in place.
     pub fn from_gguf(file: &GgufFile, config: &LlamaConfig, on_layer: impl FnMut(usize, usize)) -> Result<Self> {
+        // Start reading the whole file in now (the kernels will read every weight on the first
+        // token): page faults at load instead of in the first request's decode steps.
+        let _ = file.map.advise(memmap2::Advice::WillNeed);
         let permuted = config.model_type == "llama";
         let rope_pairs = if permuted && !crate::test_defect("keep-qk-permutation") { RopePairs::Interleaved } else { RopePairs::Half };
         Self::load(&GgufReader { file, config }, config, rope_pairs, on_layer)

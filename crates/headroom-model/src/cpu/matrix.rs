@@ -88,14 +88,17 @@ impl PackedMatrix {
         multiply_all(&mut [(self, out)], x);
     }
 
-    /// `dot(r, t)`: row `r` times activation `t`, with the kernel for this type.
-    fn row_dot<'s>(&'s self, x: &'s Activations) -> Box<dyn Fn(usize, usize) -> f32 + Sync + 's> {
+    /// `dot(r, t, out)`: rows `r..r + out.len()` (at most 4) times activation `t`.
+    #[allow(clippy::type_complexity)]
+    fn rows_dot<'s>(&'s self, x: &'s Activations) -> Box<dyn Fn(usize, usize, &mut [f32]) + Sync + 's> {
         assert_eq!(x.cols, self.cols, "activations have {} columns, the weights {}", x.cols, self.cols);
         let kernels = Kernels::detect();
+        let rb = self.row_bytes;
+        let rows = move |r: usize, n: usize| &self.data[r * rb..(r + n) * rb];
         match activation_kind(self.ty).expect("checked at construction") {
             ActivationKind::F32 => {
-                let f = if self.ty == GgmlType::F32 { kernels.f32_dot } else { kernels.f16_dot };
-                Box::new(move |r, t| f(self.row(r), x.row_f32(t)))
+                let f = if self.ty == GgmlType::F32 { kernels.f32_rows } else { kernels.f16_rows };
+                Box::new(move |r, t, out| f(rows(r, out.len()), rb, x.row_f32(t), out))
             }
             ActivationKind::Q8x32 => {
                 let f = match self.ty {
@@ -105,7 +108,7 @@ impl PackedMatrix {
                 };
                 let q = x.q8x32();
                 let per = self.cols / 32;
-                Box::new(move |r, t| f(self.row(r), &q[t * per..(t + 1) * per]))
+                Box::new(move |r, t, out| f(rows(r, out.len()), rb, &q[t * per..(t + 1) * per], out))
             }
             ActivationKind::Q8x256 => {
                 let f = match self.ty {
@@ -115,7 +118,7 @@ impl PackedMatrix {
                 };
                 let q = x.q8x256();
                 let per = self.cols / 256;
-                Box::new(move |r, t| f(self.row(r), &q[t * per..(t + 1) * per]))
+                Box::new(move |r, t, out| f(rows(r, out.len()), rb, &q[t * per..(t + 1) * per], out))
             }
         }
     }
@@ -130,7 +133,7 @@ pub fn multiply_all(products: &mut [(&PackedMatrix, &mut [f32])], x: &Activation
     let mut dots = Vec::with_capacity(products.len());
     for (i, (m, out)) in products.iter_mut().enumerate() {
         assert_eq!(out.len(), tokens * m.rows);
-        dots.push((m.row_dot(x), SharedOut(out.as_mut_ptr()), m.rows));
+        dots.push((m.rows_dot(x), SharedOut(out.as_mut_ptr()), m.rows));
         let tile = tile_rows(m.rows, tokens, m.cols);
         tasks.extend((0..m.rows.div_ceil(tile)).map(|k| (i, k * tile, ((k + 1) * tile).min(m.rows))));
     }
@@ -139,9 +142,12 @@ pub fn multiply_all(products: &mut [(&PackedMatrix, &mut [f32])], x: &Activation
     let run = |&(i, first, last): &(usize, usize, usize)| {
         let (dot, out, rows) = &dots[i];
         for t in 0..tokens {
-            for r in first..last {
-                // SAFETY: each (t, r) of product i is written by exactly one task, inside its `out`.
-                unsafe { out.write(t * rows + r, dot(r, t)) };
+            let mut r = first;
+            while r < last {
+                let n = (last - r).min(4);
+                // SAFETY: rows r..r + n of token t belong to this task alone, inside product i's `out`.
+                dot(r, t, unsafe { out.slice(t * rows + r, n) });
+                r += n;
             }
         }
     };
@@ -169,8 +175,9 @@ struct SharedOut(*mut f32);
 unsafe impl Send for SharedOut {}
 unsafe impl Sync for SharedOut {}
 impl SharedOut {
-    unsafe fn write(self, at: usize, v: f32) {
-        *self.0.add(at) = v;
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice(&self, at: usize, len: usize) -> &mut [f32] {
+        std::slice::from_raw_parts_mut(self.0.add(at), len)
     }
 }
 
