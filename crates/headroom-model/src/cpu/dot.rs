@@ -152,11 +152,14 @@ pub mod scalar {
         let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
         let scales = &b[4..16];
         let (mut isum, mut mins) = (0i32, 0i32);
+        // The negative control of the kernel tests: scale and min read the wrong way round.
+        let swapped = crate::test_defect("k-quant-scale-order");
         for pair in 0..4 {
             let q = &qs[pair * 32..pair * 32 + 32];
             for half in 0..2 {
                 let j = 2 * pair + half;
                 let (sc, m) = scale_min_k4(j, scales);
+                let (sc, m) = if swapped { (m, sc) } else { (sc, m) };
                 let mut part = 0i32;
                 for l in 0..32 {
                     let nibble = if half == 0 { q[l] & 0x0f } else { q[l] >> 4 };
@@ -432,6 +435,20 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The comparison above fails when the reference kernel reads a K-quant's scale and min the
+    /// wrong way round (`HEADROOM_TEST_DEFECT=k-quant-scale-order`, in a child process).
+    #[test]
+    fn the_negative_control_of_the_kernel_check_fails() {
+        let output = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "cpu::dot::tests::scalar_kernels_equal_dequantized_products", "--test-threads", "1"])
+            .env("HEADROOM_TEST_DEFECT", "k-quant-scale-order")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(!output.status.success() && stdout.contains("1 failed"), "with the defect the check still passed: {stdout}");
+        assert!(stdout.contains("Q4_K"), "it failed on something else: {stdout}");
     }
 
     /// Every SIMD kernel equals the scalar reference on random, all-zero and saturated blocks,

@@ -219,3 +219,36 @@ impl<'a> Activations<'a> {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::dot::Kernels;
+
+    /// Products over odd row counts (groups of four and a remainder) and several tokens equal
+    /// the scalar reference row by row, for packed and f32 weights.
+    #[test]
+    fn products_with_odd_row_counts_equal_the_reference() {
+        let (rows, cols, tokens) = (7, 256, 3);
+        let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * 0.1).collect();
+        let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 104_729 % 997) as f32 / 997.0 - 0.5) * 2.0).collect();
+        for m in [PackedMatrix::q8_0_from_f32(&values, rows, cols), PackedMatrix::from_f32(&values, rows, cols)] {
+            let mut out = vec![0f32; tokens * rows];
+            m.multiply(&Activations::new(&x, tokens, cols), &mut out);
+            for t in 0..tokens {
+                let xt = &x[t * cols..(t + 1) * cols];
+                let reference = if m.ty == GgmlType::F32 {
+                    (0..rows).map(|r| { let mut o = [0f32]; (Kernels::SCALAR.f32_rows)(m.row(r), m.row_bytes, xt, &mut o); o[0] }).collect::<Vec<_>>()
+                } else {
+                    let mut q = vec![crate::cpu::dot::Q8x32::default(); cols / 32];
+                    crate::cpu::dot::quantize_q8x32(xt, &mut q);
+                    (0..rows).map(|r| { let mut o = [0f32]; (Kernels::SCALAR.q8_0)(m.row(r), m.row_bytes, &q, &mut o); o[0] }).collect::<Vec<_>>()
+                };
+                for (r, want) in reference.iter().enumerate() {
+                    let got = out[t * rows + r];
+                    assert!((got - want).abs() <= 1e-4 * want.abs().max(1.0), "{} token {t} row {r}: {got} vs {want}", m.ty);
+                }
+            }
+        }
+    }
+}
