@@ -191,8 +191,10 @@ impl Dispatcher {
     /// growth, and the CPU path also reserves host RAM for the request's footprint for as long
     /// as it runs (returned; dropping it gives the RAM back).
     pub(super) fn enter_lane(&self, lane: &LaneQueue, id: &str, shape: RequestShape) -> Result<Option<Reservation>, LaneRefusal> {
-        if lane.waiting.fetch_add(1, Ordering::SeqCst) >= lane.capacity {
-            lane.waiting.fetch_sub(1, Ordering::SeqCst);
+        // Take a place only if one is free: an add-then-undo would show a full queue one over
+        // its capacity to every reader (status, metrics) in between.
+        let took = lane.waiting.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |w| (w < lane.capacity).then_some(w + 1));
+        if took.is_err() {
             let delay = lane.estimated_delay_ms();
             return Err(LaneRefusal {
                 reason: format!(
