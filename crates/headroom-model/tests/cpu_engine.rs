@@ -121,3 +121,26 @@ fn other_types_are_converted_once_and_stay_close() {
     let worst = worst_relative(&run(&cpu, &bundle.config, PROMPT, DECODE), &reference);
     assert!(worst < 0.05, "logits differ by {worst} of the largest");
 }
+
+/// On the real default model (when installed): a prefill of the whole prompt gives the logits
+/// that feeding it one token at a time gives.
+#[test]
+fn prefill_equals_token_by_token_on_the_default_model() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !path.exists() {
+        eprintln!("{} is not installed; skipped", path.display());
+        return;
+    }
+    let bundle = ModelBundle::open(&path).unwrap();
+    let cpu = bundle.load_cpu(|_, _| {}).unwrap();
+    let prompt = bundle.chat_prompt(&[headroom_model::ChatMessage::new("user", "What is the capital of France?")], None).unwrap();
+    let mut all = cpu.new_cache(prompt.len());
+    let together = cpu.step(&prompt, &mut all);
+    let mut one = cpu.new_cache(prompt.len());
+    let mut alone = Vec::new();
+    for &t in &prompt {
+        alone = cpu.step(&[t], &mut one);
+    }
+    let worst = worst_relative(&[together], &[alone]);
+    assert!(worst < 0.02, "prefill and token-by-token differ by {worst} of the largest logit");
+}

@@ -43,26 +43,28 @@ impl Default for Q8x256 {
     }
 }
 
-/// Round to nearest, ties away from zero (C's `roundf`, what llama.cpp uses).
+/// Round to nearest, ties to even (what llama.cpp's AVX2 quantizer does with `_mm256_round_ps`).
 #[inline]
 fn round_i8(v: f32) -> i8 {
-    v.round().clamp(-127.0, 127.0) as i8
+    v.round_ties_even().clamp(-127.0, 127.0) as i8
 }
 
-/// Quantizes `x` (a multiple of 32 long) into `out`.
+/// Quantizes `x` (a multiple of 32 long) into `out`, as llama.cpp's `q8_0`/`q8_1` do: the scale
+/// is stored (and multiplied) at f16 precision, and so is `d · Σ qs`, so both engines see the
+/// same activations and a greedy generation does not part ways over a rounding difference.
 pub fn quantize_q8x32(x: &[f32], out: &mut [Q8x32]) {
     debug_assert_eq!(x.len(), out.len() * 32);
     for (block, q) in x.chunks_exact(32).zip(out.iter_mut()) {
         let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
-        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
         let mut sum = 0i32;
         for (o, v) in q.qs.iter_mut().zip(block) {
             *o = round_i8(v * inv);
             sum += *o as i32;
         }
-        q.d = d;
-        q.s = d * sum as f32;
+        q.d = f16::from_f32(d).to_f32();
+        q.s = f16::from_f32(d * sum as f32).to_f32();
     }
 }
 
@@ -72,7 +74,7 @@ pub fn quantize_q8x256(x: &[f32], out: &mut [Q8x256]) {
     for (block, q) in x.chunks_exact(256).zip(out.iter_mut()) {
         let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
-        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
         for (o, v) in q.qs.iter_mut().zip(block) {
             *o = round_i8(v * inv);
         }
