@@ -293,15 +293,21 @@ fn q3_k(b: &[u8], y: &mut [f32]) {
     }
 }
 
-/// Scale and min `j` (0..8) of a Q4_K/Q5_K super-block: six bits each packed in 12 bytes.
-fn scale_min_k4(j: usize, q: &[u8]) -> (f32, f32) {
+/// Scale and min `j` (0..8) of a Q4_K/Q5_K super-block: six bits each packed in 12 bytes. The
+/// CPU kernels read them with this too.
+#[inline]
+pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
-        ((q[j] & 63) as f32, (q[j + 4] & 63) as f32)
+        (q[j] & 63, q[j + 4] & 63)
     } else {
-        let d = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
-        let m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-        (d as f32, m as f32)
+        ((q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
     }
+}
+
+/// [`scale_min_k4`] as floats, for dequantizing.
+fn scale_min_k4_f32(j: usize, q: &[u8]) -> (f32, f32) {
+    let (scale, min) = scale_min_k4(j, q);
+    (scale as f32, min as f32)
 }
 
 /// `d: f16, dmin: f16, scales: [u8; 12], qs: [u8; 128]`: eight sub-blocks of 32, each
@@ -311,8 +317,8 @@ fn q4_k(b: &[u8], y: &mut [f32]) {
     let (scales, qs) = (&b[4..16], &b[16..144]);
     for pair in 0..4 {
         let q = &qs[pair * 32..pair * 32 + 32];
-        let (s1, m1) = scale_min_k4(2 * pair, scales);
-        let (s2, m2) = scale_min_k4(2 * pair + 1, scales);
+        let (s1, m1) = scale_min_k4_f32(2 * pair, scales);
+        let (s2, m2) = scale_min_k4_f32(2 * pair + 1, scales);
         for l in 0..32 {
             y[pair * 64 + l] = d * s1 * (q[l] & 0x0f) as f32 - dmin * m1;
             y[pair * 64 + 32 + l] = d * s2 * (q[l] >> 4) as f32 - dmin * m2;
@@ -327,8 +333,8 @@ fn q5_k(b: &[u8], y: &mut [f32]) {
     let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
     for pair in 0..4 {
         let q = &qs[pair * 32..pair * 32 + 32];
-        let (s1, m1) = scale_min_k4(2 * pair, scales);
-        let (s2, m2) = scale_min_k4(2 * pair + 1, scales);
+        let (s1, m1) = scale_min_k4_f32(2 * pair, scales);
+        let (s2, m2) = scale_min_k4_f32(2 * pair + 1, scales);
         let (u1, u2) = (1u8 << (2 * pair), 1u8 << (2 * pair + 1));
         for l in 0..32 {
             let h1 = if qh[l] & u1 != 0 { 16 } else { 0 };

@@ -11,6 +11,7 @@
 
 use half::f16;
 
+pub(crate) use crate::quants::scale_min_k4;
 use crate::quants::GgmlType;
 
 /// 32 activations quantized to `d · qs`, with `s = d · Σ qs` for the types with a minimum (Q4_1).
@@ -88,16 +89,6 @@ pub fn quantize_q8x256(x: &[f32], out: &mut [Q8x256]) {
 #[inline]
 fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
-}
-
-/// Scale and min `j` (0..8) of a Q4_K/Q5_K super-block: six bits each packed in 12 bytes.
-#[inline]
-pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
-    if j < 4 {
-        (q[j] & 63, q[j + 4] & 63)
-    } else {
-        ((q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
-    }
 }
 
 /// The scalar reference kernels. `w` holds exactly the row's blocks.

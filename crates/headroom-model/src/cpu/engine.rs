@@ -258,15 +258,6 @@ impl CpuModel {
         logits
     }
 
-    /// Logits for every token fed (`[tokens, vocab]`), for scoring.
-    pub fn step_all(&self, tokens: &[u32], cache: &mut CpuCache) -> Vec<f32> {
-        let hidden = self.hidden(tokens, cache);
-        let head = self.head.as_ref().unwrap_or(&self.embed);
-        let mut logits = vec![0f32; head.rows * tokens.len()];
-        head.multiply(&Activations::new(&hidden, tokens.len(), self.config.hidden_size), &mut logits);
-        logits
-    }
-
     /// Hidden states after the final norm, `[tokens, hidden]`.
     fn hidden(&self, tokens: &[u32], cache: &mut CpuCache) -> Vec<f32> {
         let c = &self.config;
