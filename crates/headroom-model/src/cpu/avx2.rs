@@ -10,18 +10,24 @@
 
 use std::arch::x86_64::*;
 
-use super::dot::{scale_min_k4, Kernels, Q8x256, Q8x32};
+use super::dot::{scales_mins_k4, Kernels, Q8x256, Q8x32};
 
 pub const KERNELS: Kernels = Kernels {
     name: "avx2",
     f32_rows: |w, rb, x, out| unsafe { by_rows(out.len(), |n| f32_rows(n, w, rb, x, out)) },
     f16_rows: |w, rb, x, out| unsafe { by_rows(out.len(), |n| f16_rows(n, w, rb, x, out)) },
-    q4_0: |w, rb, a, out| unsafe { by_rows(out.len(), |n| q4_0(n, w, rb, a, out)) },
-    q4_1: |w, rb, a, out| unsafe { by_rows(out.len(), |n| q4_1(n, w, rb, a, out)) },
-    q8_0: |w, rb, a, out| unsafe { by_rows(out.len(), |n| q8_0(n, w, rb, a, out)) },
-    q4_k: |w, rb, a, out| unsafe { by_rows(out.len(), |n| q4_k(n, w, rb, a, out)) },
-    q5_k: |w, rb, a, out| unsafe { by_rows(out.len(), |n| q5_k(n, w, rb, a, out)) },
-    q6_k: |w, rb, a, out| unsafe { by_rows(out.len(), |n| q6_k(n, w, rb, a, out)) },
+    q4_0: |w, rb, a, out| unsafe { by_rows(out.len(), |n| q4_0(n, w, rb, [a], out)) },
+    q4_1: |w, rb, a, out| unsafe { by_rows(out.len(), |n| q4_1(n, w, rb, [a], out)) },
+    q8_0: |w, rb, a, out| unsafe { by_rows(out.len(), |n| q8_0(n, w, rb, [a], out)) },
+    q4_0_pairs: |w, rb, a, out| unsafe { by_rows(out.len() / 2, |n| q4_0(n, w, rb, a, out)) },
+    q4_1_pairs: |w, rb, a, out| unsafe { by_rows(out.len() / 2, |n| q4_1(n, w, rb, a, out)) },
+    q8_0_pairs: |w, rb, a, out| unsafe { by_rows(out.len() / 2, |n| q8_0(n, w, rb, a, out)) },
+    q4_k: |w, rb, a, out| unsafe { by_rows(out.len(), |n| q4_k(n, w, rb, [a], out)) },
+    q5_k: |w, rb, a, out| unsafe { by_rows(out.len(), |n| q5_k(n, w, rb, [a], out)) },
+    q6_k: |w, rb, a, out| unsafe { by_rows(out.len(), |n| q6_k(n, w, rb, [a], out)) },
+    q4_k_pairs: |w, rb, a, out| unsafe { by_rows(out.len() / 2, |n| q4_k(n, w, rb, a, out)) },
+    q5_k_pairs: |w, rb, a, out| unsafe { by_rows(out.len() / 2, |n| q5_k(n, w, rb, a, out)) },
+    q6_k_pairs: |w, rb, a, out| unsafe { by_rows(out.len() / 2, |n| q6_k(n, w, rb, a, out)) },
 };
 
 /// Runs `kernel` with the row count as a compile-time constant (1 to 4).
@@ -44,8 +50,16 @@ enum Rows {
     Four,
 }
 
-/// Dispatches a generic kernel body on [`Rows`].
+/// Dispatches a generic kernel body on [`Rows`] (and passes on a token count `T`).
 macro_rules! rows {
+    ($n:expr, $f:ident::<$t:ident>($($arg:expr),*)) => {
+        match $n {
+            Rows::One => $f::<1, $t>($($arg),*),
+            Rows::Two => $f::<2, $t>($($arg),*),
+            Rows::Three => $f::<3, $t>($($arg),*),
+            Rows::Four => $f::<4, $t>($($arg),*),
+        }
+    };
     ($n:expr, $f:ident($($arg:expr),*)) => {
         match $n {
             Rows::One => $f::<1>($($arg),*),
@@ -164,120 +178,137 @@ unsafe fn prefetch_next_rows<const N: usize>(w: *const u8, row_bytes: usize, off
     }
 }
 
-/// `N` rows of a 32-value block type: `block(weights, activations, activation block)` gives a
-/// block's eight i32 sums, its scale and its min term.
+/// `N` rows × `T` tokens of a 32-value block type into `out[t · N + r]`: `unpack(block)` gives
+/// the block's 32 weights as bytes, its scale and its min (0 without one), once for all `T`
+/// tokens; `dot` multiplies them with a token's 32 activations into eight i32 sums. Every (row,
+/// token) sum takes the same steps whatever `N` and `T` are.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows32<const N: usize>(
+unsafe fn rows32<const N: usize, const T: usize>(
     w: *const u8,
     row_bytes: usize,
-    a: &[Q8x32],
+    a: [&[Q8x32]; T],
     size: usize,
     out: *mut f32,
-    block: impl Fn(*const u8, __m256i, &Q8x32) -> (__m256i, f32, f32),
+    unpack: impl Fn(*const u8) -> (__m256i, f32, f32),
+    dot: impl Fn(__m256i, __m256i) -> __m256i,
 ) {
-    let mut acc = [_mm256_setzero_ps(); N];
-    let mut mins = [0f32; N];
-    for (i, ab) in a.iter().enumerate() {
-        let y = _mm256_loadu_si256(ab.qs.as_ptr() as *const __m256i);
+    let mut acc = [[_mm256_setzero_ps(); T]; N];
+    let mut mins = [[0f32; T]; N];
+    for i in 0..a[0].len() {
+        let ab: [&Q8x32; T] = std::array::from_fn(|t| a[t].get_unchecked(i));
+        let y: [__m256i; T] = std::array::from_fn(|t| _mm256_loadu_si256(ab[t].qs.as_ptr() as *const __m256i));
         prefetch_next_rows::<N>(w, row_bytes, i * size);
         for r in 0..N {
-            let (s, d, m) = block(w.add(r * row_bytes + i * size), y, ab);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc[r]);
-            mins[r] += m;
+            let (q, d, m) = unpack(w.add(r * row_bytes + i * size));
+            for t in 0..T {
+                acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(d * ab[t].d), _mm256_cvtepi32_ps(dot(q, y[t])), acc[r][t]);
+                mins[r][t] += m * ab[t].s;
+            }
         }
     }
     for r in 0..N {
-        *out.add(r) = hsum(acc[r]) + mins[r];
+        for t in 0..T {
+            *out.add(t * N + r) = hsum(acc[r][t]) + mins[r][t];
+        }
     }
+}
+
+/// Checks that `T` tokens' activations of equal length and `out` (`T` × rows) fit the weights.
+fn check32<const T: usize>(w: &[u8], row_bytes: usize, a: &[&[Q8x32]; T], block_bytes: usize, out: &[f32]) {
+    assert!(a.iter().all(|t| t.len() == a[0].len()), "tokens of different lengths");
+    check(w, row_bytes, a[0], block_bytes, &out[..out.len() / T]);
 }
 
 fn check<T>(w: &[u8], row_bytes: usize, a: &[T], block_bytes: usize, out: &[f32]) {
     assert!(w.len() >= (out.len() - 1) * row_bytes + a.len() * block_bytes, "rows shorter than the activations");
 }
 
-unsafe fn q4_0(n: Rows, w: &[u8], row_bytes: usize, a: &[Q8x32], out: &mut [f32]) {
-    check(w, row_bytes, a, 18, out);
-    rows!(n, q4_0_rows(w.as_ptr(), row_bytes, a, out.as_mut_ptr()))
+unsafe fn q4_0<const T: usize>(n: Rows, w: &[u8], row_bytes: usize, a: [&[Q8x32]; T], out: &mut [f32]) {
+    check32(w, row_bytes, &a, 18, out);
+    rows!(n, q4_0_rows::<T>(w.as_ptr(), row_bytes, a, out.as_mut_ptr()))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_0_rows<const N: usize>(w: *const u8, row_bytes: usize, a: &[Q8x32], out: *mut f32) {
+unsafe fn q4_0_rows<const N: usize, const T: usize>(w: *const u8, row_bytes: usize, a: [&[Q8x32]; T], out: *mut f32) {
     let offset = _mm256_set1_epi8(8);
-    rows32::<N>(w, row_bytes, a, 18, out, |b, y, a| {
-        let q = _mm256_sub_epi8(nibbles(b.add(2)), offset);
-        (dot_i8(q, y), f16_scale(b) * a.d, 0.0)
-    })
+    rows32::<N, T>(w, row_bytes, a, 18, out, |b| (_mm256_sub_epi8(nibbles(b.add(2)), offset), f16_scale(b), 0.0), |q, y| dot_i8(q, y))
 }
 
-unsafe fn q4_1(n: Rows, w: &[u8], row_bytes: usize, a: &[Q8x32], out: &mut [f32]) {
-    check(w, row_bytes, a, 20, out);
-    rows!(n, q4_1_rows(w.as_ptr(), row_bytes, a, out.as_mut_ptr()))
+unsafe fn q4_1<const T: usize>(n: Rows, w: &[u8], row_bytes: usize, a: [&[Q8x32]; T], out: &mut [f32]) {
+    check32(w, row_bytes, &a, 20, out);
+    rows!(n, q4_1_rows::<T>(w.as_ptr(), row_bytes, a, out.as_mut_ptr()))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_1_rows<const N: usize>(w: *const u8, row_bytes: usize, a: &[Q8x32], out: *mut f32) {
-    rows32::<N>(w, row_bytes, a, 20, out, |b, y, a| (dot_u8_i8(nibbles(b.add(4)), y), f16_scale(b) * a.d, f16_scale(b.add(2)) * a.s))
+unsafe fn q4_1_rows<const N: usize, const T: usize>(w: *const u8, row_bytes: usize, a: [&[Q8x32]; T], out: *mut f32) {
+    rows32::<N, T>(w, row_bytes, a, 20, out, |b| (nibbles(b.add(4)), f16_scale(b), f16_scale(b.add(2))), |q, y| dot_u8_i8(q, y))
 }
 
-unsafe fn q8_0(n: Rows, w: &[u8], row_bytes: usize, a: &[Q8x32], out: &mut [f32]) {
-    check(w, row_bytes, a, 34, out);
-    rows!(n, q8_0_rows(w.as_ptr(), row_bytes, a, out.as_mut_ptr()))
+unsafe fn q8_0<const T: usize>(n: Rows, w: &[u8], row_bytes: usize, a: [&[Q8x32]; T], out: &mut [f32]) {
+    check32(w, row_bytes, &a, 34, out);
+    rows!(n, q8_0_rows::<T>(w.as_ptr(), row_bytes, a, out.as_mut_ptr()))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_0_rows<const N: usize>(w: *const u8, row_bytes: usize, a: &[Q8x32], out: *mut f32) {
-    rows32::<N>(w, row_bytes, a, 34, out, |b, y, a| {
-        let q = _mm256_loadu_si256(b.add(2) as *const __m256i);
-        (dot_i8(q, y), f16_scale(b) * a.d, 0.0)
-    })
+unsafe fn q8_0_rows<const N: usize, const T: usize>(w: *const u8, row_bytes: usize, a: [&[Q8x32]; T], out: *mut f32) {
+    rows32::<N, T>(w, row_bytes, a, 34, out, |b| (_mm256_loadu_si256(b.add(2) as *const __m256i), f16_scale(b), 0.0), |q, y| dot_i8(q, y))
 }
 
-/// `N` rows of a K-quant type: `block(weights, the 256 activations as 8 vectors, activation
-/// block)` gives a super-block's eight i32 sums, its scale and its min term.
+/// `N` rows × `T` tokens of a K-quant type into `out[t · N + r]`: `block(weights, the tokens'
+/// activation blocks)` unpacks a super-block once for all `T` tokens and gives each token's
+/// eight i32 sums, the block's scale `d`, and each token's min term. Every (row, token) sum takes
+/// the same steps whatever `N` and `T` are.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows256<const N: usize>(
+unsafe fn rows256<const N: usize, const T: usize>(
     w: *const u8,
     row_bytes: usize,
-    a: &[Q8x256],
+    a: [&[Q8x256]; T],
     size: usize,
     out: *mut f32,
-    block: impl Fn(*const u8, &[__m256i; 8], &Q8x256) -> (__m256i, f32, f32),
+    block: impl Fn(*const u8, [&Q8x256; T]) -> ([__m256i; T], f32, [f32; T]),
 ) {
-    let mut acc = [_mm256_setzero_ps(); N];
-    let mut mins = [0f32; N];
-    for (i, ab) in a.iter().enumerate() {
-        let p = ab.qs.as_ptr() as *const __m256i;
-        let y = [0, 1, 2, 3, 4, 5, 6, 7].map(|k| _mm256_loadu_si256(p.add(k)));
+    let mut acc = [[_mm256_setzero_ps(); T]; N];
+    let mut mins = [[0f32; T]; N];
+    for i in 0..a[0].len() {
+        let ab: [&Q8x256; T] = std::array::from_fn(|t| a[t].get_unchecked(i));
         for line in (0..size).step_by(64) {
             prefetch_next_rows::<N>(w, row_bytes, i * size + line);
         }
         for r in 0..N {
-            let (s, d, m) = block(w.add(r * row_bytes + i * size), &y, ab);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc[r]);
-            mins[r] += m;
+            let (s, d, m) = block(w.add(r * row_bytes + i * size), ab);
+            for t in 0..T {
+                acc[r][t] = _mm256_fmadd_ps(_mm256_set1_ps(d * ab[t].d), _mm256_cvtepi32_ps(s[t]), acc[r][t]);
+                mins[r][t] += m[t];
+            }
         }
     }
     for r in 0..N {
-        *out.add(r) = hsum(acc[r]) - mins[r];
+        for t in 0..T {
+            *out.add(t * N + r) = hsum(acc[r][t]) - mins[r][t];
+        }
     }
 }
 
-/// One Q4_K/Q5_K super-block (`qh`: Q5_K's fifth bits): the scaled integer sums, `d`, and
-/// `dmin · Σ min · bsum`.
+/// Activations `k` (0..8, 32 each) of a K-quant activation block.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn k4_k5_block(b: *const u8, y: &[__m256i; 8], a: &Q8x256, qh: Option<*const u8>, qs: *const u8) -> (__m256i, f32, f32) {
-    let scales = std::slice::from_raw_parts(b.add(4), 12);
+unsafe fn y32(a: &Q8x256, k: usize) -> __m256i {
+    _mm256_loadu_si256((a.qs.as_ptr() as *const __m256i).add(k))
+}
+
+/// One Q4_K/Q5_K super-block (`qh`: Q5_K's fifth bits) against `T` tokens: each token's
+/// scaled integer sums, `d`, and each token's `dmin · d_act · Σ min · bsum`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn k4_k5_block<const T: usize>(b: *const u8, a: [&Q8x256; T], qh: Option<*const u8>, qs: *const u8) -> ([__m256i; T], f32, [f32; T]) {
+    let (scales, mins) = scales_mins_k4(std::slice::from_raw_parts(b.add(4), 12));
     let low = _mm256_set1_epi8(0x0f);
     let one = _mm256_set1_epi8(1);
     let high_bits = qh.map(|p| _mm256_loadu_si256(p as *const __m256i));
-    let mut sumi = _mm256_setzero_si256();
-    let mut mins = 0i32;
+    let mut sumi = [_mm256_setzero_si256(); T];
     for pair in 0..4 {
-        let (s1, m1) = scale_min_k4(2 * pair, scales);
-        let (s2, m2) = scale_min_k4(2 * pair + 1, scales);
         let packed = _mm256_loadu_si256(qs.add(pair * 32) as *const __m256i);
         let mut q1 = _mm256_and_si256(packed, low);
         let mut q2 = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
@@ -287,49 +318,60 @@ unsafe fn k4_k5_block(b: *const u8, y: &[__m256i; 8], a: &Q8x256, qh: Option<*co
             q1 = _mm256_or_si256(q1, _mm256_slli_epi16(h1, 4));
             q2 = _mm256_or_si256(q2, _mm256_slli_epi16(h2, 4));
         }
-        let p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(q1, y[2 * pair]), _mm256_set1_epi16(s1 as i16));
-        let p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(q2, y[2 * pair + 1]), _mm256_set1_epi16(s2 as i16));
-        sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p1, p2));
-        let j = 4 * pair;
-        mins += m1 as i32 * (a.bsums[j] as i32 + a.bsums[j + 1] as i32);
-        mins += m2 as i32 * (a.bsums[j + 2] as i32 + a.bsums[j + 3] as i32);
+        let (s1, s2) = (_mm256_set1_epi16(scales[2 * pair] as i16), _mm256_set1_epi16(scales[2 * pair + 1] as i16));
+        for t in 0..T {
+            let p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(q1, y32(a[t], 2 * pair)), s1);
+            let p2 = _mm256_madd_epi16(_mm256_maddubs_epi16(q2, y32(a[t], 2 * pair + 1)), s2);
+            sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(p1, p2));
+        }
     }
-    (sumi, f16_scale(b) * a.d, f16_scale(b.add(2)) * a.d * mins as f32)
+    // Σ min_j · (bsum_2j + bsum_2j+1): the sixteen sums of 16 added in pairs, times the mins.
+    let mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(mins.as_ptr() as *const __m128i));
+    let dmin = f16_scale(b.add(2));
+    let min_terms = std::array::from_fn(|t| {
+        let bsums = a[t].bsums.as_ptr() as *const __m128i;
+        let pairs = _mm_hadd_epi16(_mm_loadu_si128(bsums), _mm_loadu_si128(bsums.add(1)));
+        let m = _mm_madd_epi16(mins, pairs);
+        let m = _mm_add_epi32(m, _mm_unpackhi_epi64(m, m));
+        let m = _mm_add_epi32(m, _mm_shuffle_epi32::<1>(m));
+        dmin * a[t].d * _mm_cvtsi128_si32(m) as f32
+    });
+    (sumi, f16_scale(b), min_terms)
 }
 
-unsafe fn q4_k(n: Rows, w: &[u8], row_bytes: usize, a: &[Q8x256], out: &mut [f32]) {
-    check(w, row_bytes, a, 144, out);
-    rows!(n, q4_k_rows(w.as_ptr(), row_bytes, a, out.as_mut_ptr()))
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_k_rows<const N: usize>(w: *const u8, row_bytes: usize, a: &[Q8x256], out: *mut f32) {
-    rows256::<N>(w, row_bytes, a, 144, out, |b, y, a| k4_k5_block(b, y, a, None, b.add(16)))
-}
-
-unsafe fn q5_k(n: Rows, w: &[u8], row_bytes: usize, a: &[Q8x256], out: &mut [f32]) {
-    check(w, row_bytes, a, 176, out);
-    rows!(n, q5_k_rows(w.as_ptr(), row_bytes, a, out.as_mut_ptr()))
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q5_k_rows<const N: usize>(w: *const u8, row_bytes: usize, a: &[Q8x256], out: *mut f32) {
-    rows256::<N>(w, row_bytes, a, 176, out, |b, y, a| k4_k5_block(b, y, a, Some(b.add(16)), b.add(48)))
-}
-
-unsafe fn q6_k(n: Rows, w: &[u8], row_bytes: usize, a: &[Q8x256], out: &mut [f32]) {
-    check(w, row_bytes, a, 210, out);
-    rows!(n, q6_k_rows(w.as_ptr(), row_bytes, a, out.as_mut_ptr()))
+unsafe fn q4_k<const T: usize>(n: Rows, w: &[u8], row_bytes: usize, a: [&[Q8x256]; T], out: &mut [f32]) {
+    check256(w, row_bytes, &a, 144, out);
+    rows!(n, q4_k_rows::<T>(w.as_ptr(), row_bytes, a, out.as_mut_ptr()))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6_k_rows<const N: usize>(w: *const u8, row_bytes: usize, a: &[Q8x256], out: *mut f32) {
-    rows256::<N>(w, row_bytes, a, 210, out, |b, y, a| {
+unsafe fn q4_k_rows<const N: usize, const T: usize>(w: *const u8, row_bytes: usize, a: [&[Q8x256]; T], out: *mut f32) {
+    rows256::<N, T>(w, row_bytes, a, 144, out, |b, a| k4_k5_block(b, a, None, b.add(16)))
+}
+
+unsafe fn q5_k<const T: usize>(n: Rows, w: &[u8], row_bytes: usize, a: [&[Q8x256]; T], out: &mut [f32]) {
+    check256(w, row_bytes, &a, 176, out);
+    rows!(n, q5_k_rows::<T>(w.as_ptr(), row_bytes, a, out.as_mut_ptr()))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5_k_rows<const N: usize, const T: usize>(w: *const u8, row_bytes: usize, a: [&[Q8x256]; T], out: *mut f32) {
+    rows256::<N, T>(w, row_bytes, a, 176, out, |b, a| k4_k5_block(b, a, Some(b.add(16)), b.add(48)))
+}
+
+unsafe fn q6_k<const T: usize>(n: Rows, w: &[u8], row_bytes: usize, a: [&[Q8x256]; T], out: &mut [f32]) {
+    check256(w, row_bytes, &a, 210, out);
+    rows!(n, q6_k_rows::<T>(w.as_ptr(), row_bytes, a, out.as_mut_ptr()))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6_k_rows<const N: usize, const T: usize>(w: *const u8, row_bytes: usize, a: [&[Q8x256]; T], out: *mut f32) {
+    rows256::<N, T>(w, row_bytes, a, 210, out, |b, a| {
         let low = _mm256_set1_epi8(0x0f);
         let three = _mm256_set1_epi8(3);
         let m32 = _mm256_set1_epi8(32);
         let scales = b.add(192) as *const i8;
-        let mut sumi = _mm256_setzero_si256();
+        let mut sumi = [_mm256_setzero_si256(); T];
         for half in 0..2 {
             let ql0 = _mm256_loadu_si256(b.add(half * 64) as *const __m256i);
             let ql1 = _mm256_loadu_si256(b.add(half * 64 + 32) as *const __m256i);
@@ -342,14 +384,22 @@ unsafe fn q6_k_rows<const N: usize>(w: *const u8, row_bytes: usize, a: &[Q8x256]
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low), high(6)),
             ];
             for (k, q) in q.into_iter().enumerate() {
-                let y = y[half * 4 + k];
-                // (q − 32)·y as q·y − 32·y: maddubs needs its first operand unsigned.
-                let p = _mm256_sub_epi16(_mm256_maddubs_epi16(q, y), _mm256_maddubs_epi16(m32, y));
                 let s = scales.add(half * 8 + 2 * k);
                 let scale = _mm256_set_m128i(_mm_set1_epi16(*s.add(1) as i16), _mm_set1_epi16(*s as i16));
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, scale));
+                for t in 0..T {
+                    let y = y32(a[t], half * 4 + k);
+                    // (q − 32)·y as q·y − 32·y: maddubs needs its first operand unsigned.
+                    let p = _mm256_sub_epi16(_mm256_maddubs_epi16(q, y), _mm256_maddubs_epi16(m32, y));
+                    sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(p, scale));
+                }
             }
         }
-        (sumi, f16_scale(b.add(208)) * a.d, 0.0)
+        (sumi, f16_scale(b.add(208)), [0.0; T])
     })
+}
+
+/// Checks that `T` tokens' activations of equal length and `out` (`T` × rows) fit the weights.
+fn check256<const T: usize>(w: &[u8], row_bytes: usize, a: &[&[Q8x256]; T], block_bytes: usize, out: &[f32]) {
+    assert!(a.iter().all(|t| t.len() == a[0].len()), "tokens of different lengths");
+    check(w, row_bytes, a[0], block_bytes, &out[..out.len() / T]);
 }

@@ -11,7 +11,7 @@
 
 use half::f16;
 
-pub(crate) use crate::quants::scale_min_k4;
+pub(crate) use crate::quants::scales_mins_k4;
 use crate::quants::GgmlType;
 
 /// 32 activations quantized to `d · qs`, with `s = d · Σ qs` for the types with a minimum (Q4_1).
@@ -147,11 +147,12 @@ pub mod scalar {
         let (mut isum, mut mins) = (0i32, 0i32);
         // The negative control of the kernel tests: scale and min read the wrong way round.
         let swapped = crate::test_defect("k-quant-scale-order");
+        let (scs, ms) = scales_mins_k4(scales);
         for pair in 0..4 {
             let q = &qs[pair * 32..pair * 32 + 32];
             for half in 0..2 {
                 let j = 2 * pair + half;
-                let (sc, m) = scale_min_k4(j, scales);
+                let (sc, m) = (scs[j], ms[j]);
                 let (sc, m) = if swapped { (m, sc) } else { (sc, m) };
                 let mut part = 0i32;
                 for l in 0..32 {
@@ -208,6 +209,12 @@ pub type FloatRows = fn(w: &[u8], row_bytes: usize, x: &[f32], out: &mut [f32]);
 pub type Q32Rows = fn(w: &[u8], row_bytes: usize, a: &[Q8x32], out: &mut [f32]);
 /// The same for the K-quants.
 pub type Q256Rows = fn(w: &[u8], row_bytes: usize, a: &[Q8x256], out: &mut [f32]);
+/// Rows of a 32-value block type times two activation rows (two tokens of a prefill): `out`
+/// holds the first token's rows, then the second's. Each weight block is unpacked once for both,
+/// and each (row, token) sum is computed exactly as [`Q32Rows`] computes it.
+pub type Q32Pairs = fn(w: &[u8], row_bytes: usize, a: [&[Q8x32]; 2], out: &mut [f32]);
+/// The same for the K-quants.
+pub type Q256Pairs = fn(w: &[u8], row_bytes: usize, a: [&[Q8x256]; 2], out: &mut [f32]);
 
 /// The dot product functions for one processor; each takes 1 to 4 rows at a time.
 #[derive(Clone, Copy)]
@@ -218,9 +225,15 @@ pub struct Kernels {
     pub q4_0: Q32Rows,
     pub q4_1: Q32Rows,
     pub q8_0: Q32Rows,
+    pub q4_0_pairs: Q32Pairs,
+    pub q4_1_pairs: Q32Pairs,
+    pub q8_0_pairs: Q32Pairs,
     pub q4_k: Q256Rows,
     pub q5_k: Q256Rows,
     pub q6_k: Q256Rows,
+    pub q4_k_pairs: Q256Pairs,
+    pub q5_k_pairs: Q256Pairs,
+    pub q6_k_pairs: Q256Pairs,
 }
 
 /// A scalar row kernel applied to each of the rows.
@@ -235,6 +248,21 @@ macro_rules! each_row {
     };
 }
 
+/// A scalar row kernel applied to each row and each of two tokens.
+macro_rules! each_row_pair {
+    ($f:path, $bytes:expr) => {
+        |w, row_bytes, a, out| {
+            let rows = out.len() / 2;
+            for (t, a) in a.into_iter().enumerate() {
+                let len = a.len() * $bytes;
+                for r in 0..rows {
+                    out[t * rows + r] = $f(&w[r * row_bytes..r * row_bytes + len], a);
+                }
+            }
+        }
+    };
+}
+
 impl Kernels {
     pub const SCALAR: Kernels = Kernels {
         name: "scalar",
@@ -243,9 +271,15 @@ impl Kernels {
         q4_0: each_row!(scalar::q4_0, 18),
         q4_1: each_row!(scalar::q4_1, 20),
         q8_0: each_row!(scalar::q8_0, 34),
+        q4_0_pairs: each_row_pair!(scalar::q4_0, 18),
+        q4_1_pairs: each_row_pair!(scalar::q4_1, 20),
+        q8_0_pairs: each_row_pair!(scalar::q8_0, 34),
         q4_k: each_row!(scalar::q4_k, 144),
         q5_k: each_row!(scalar::q5_k, 176),
         q6_k: each_row!(scalar::q6_k, 210),
+        q4_k_pairs: each_row_pair!(scalar::q4_k, 144),
+        q5_k_pairs: each_row_pair!(scalar::q5_k, 176),
+        q6_k_pairs: each_row_pair!(scalar::q6_k, 210),
     };
 
     /// The fastest set this processor runs; `HEADROOM_CPU_KERNELS=scalar` forces the reference.
@@ -359,6 +393,37 @@ mod tests {
         let mut out = [0f32];
         rows_with(k, ty, w, w.len(), x, &mut out);
         out[0]
+    }
+
+    /// `out.len() / 2` rows of `row_bytes` each, times two tokens.
+    fn pairs_with(k: &Kernels, ty: GgmlType, w: &[u8], row_bytes: usize, x: [&[f32]; 2], out: &mut [f32]) {
+        match activation_kind(ty).unwrap() {
+            ActivationKind::Q8x32 => {
+                let a = x.map(|x| {
+                    let mut a = vec![Q8x32::default(); x.len() / 32];
+                    quantize_q8x32(x, &mut a);
+                    a
+                });
+                (match ty {
+                    GgmlType::Q4_0 => k.q4_0_pairs,
+                    GgmlType::Q4_1 => k.q4_1_pairs,
+                    _ => k.q8_0_pairs,
+                })(w, row_bytes, [&a[0], &a[1]], out)
+            }
+            ActivationKind::Q8x256 => {
+                let a = x.map(|x| {
+                    let mut a = vec![Q8x256::default(); x.len() / 256];
+                    quantize_q8x256(x, &mut a);
+                    a
+                });
+                (match ty {
+                    GgmlType::Q4K => k.q4_k_pairs,
+                    GgmlType::Q5K => k.q5_k_pairs,
+                    _ => k.q6_k_pairs,
+                })(w, row_bytes, [&a[0], &a[1]], out)
+            }
+            ActivationKind::F32 => unreachable!("float rows take one token at a time"),
+        }
     }
 
     /// `out.len()` rows of `row_bytes` each, times `x`.
@@ -479,6 +544,23 @@ mod tests {
                 for (r, got) in together.iter().enumerate() {
                     let alone = dot_with(&Kernels::SCALAR, ty, &w[r * row_bytes..(r + 1) * row_bytes], &x);
                     assert!(close(*got, alone, 4.0 * alone.abs().max(1.0)), "{ty} row {r} of {rows}: {got} vs {alone}");
+                }
+            }
+        }
+        // Two tokens per call give each token exactly what one token per call gives.
+        for &(ty, scales) in TYPES {
+            let (cols, row_bytes) = (3 * ty.block_elements(), 3 * ty.block_bytes());
+            let w = blocks(ty, scales, 4 * 3, Blocks::Random, &mut rng);
+            let (x0, x1) = (activations(cols, &mut rng), activations(cols, &mut rng));
+            for k in [&Kernels::SCALAR, &simd] {
+                for rows in 1..=4 {
+                    let mut both = vec![0f32; 2 * rows];
+                    pairs_with(k, ty, &w, row_bytes, [&x0, &x1], &mut both);
+                    for (t, x) in [&x0, &x1].into_iter().enumerate() {
+                        let mut alone = vec![0f32; rows];
+                        rows_with(k, ty, &w, row_bytes, x, &mut alone);
+                        assert_eq!(&both[t * rows..(t + 1) * rows], &alone[..], "{} {ty}: token {t} of a pair, {rows} rows", k.name);
+                    }
                 }
             }
         }

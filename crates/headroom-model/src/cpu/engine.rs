@@ -2,9 +2,8 @@
 //! kernels of this module instead of burn's tensors.
 
 use half::f16;
-use rayon::prelude::*;
-
-use super::matrix::{multiply_all, Activations, Bytes, PackedMatrix};
+use super::matrix::{multiply_all, Activations, Bytes, PackedMatrix, SharedPtr};
+use super::team::Team;
 use crate::config::LlamaConfig;
 use crate::gguf::GgufFile;
 use crate::quants::GgmlType;
@@ -30,6 +29,26 @@ pub enum KvPrecision {
     F32,
     /// Half the memory; attention reads it back as f32.
     F16,
+}
+
+impl std::str::FromStr for KvPrecision {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "f32" => Ok(Self::F32),
+            "f16" => Ok(Self::F16),
+            other => Err(format!("KV cache precision {other:?}: use \"f32\" or \"f16\"")),
+        }
+    }
+}
+
+impl std::fmt::Display for KvPrecision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::F32 => "f32",
+            Self::F16 => "f16",
+        })
+    }
 }
 
 impl KvPrecision {
@@ -250,16 +269,18 @@ impl CpuModel {
 
     /// Feeds `tokens` at position `cache.len` and returns the logits of the last one.
     pub fn step(&self, tokens: &[u32], cache: &mut CpuCache) -> Vec<f32> {
-        let hidden = self.hidden(tokens, cache);
-        let last = &hidden[hidden.len() - self.config.hidden_size..];
-        let head = self.head.as_ref().unwrap_or(&self.embed);
-        let mut logits = vec![0f32; head.rows];
-        head.multiply(&Activations::new(last, 1, self.config.hidden_size), &mut logits);
-        logits
+        Team::run(|team| {
+            let hidden = self.hidden(tokens, cache, team);
+            let last = &hidden[hidden.len() - self.config.hidden_size..];
+            let head = self.head.as_ref().unwrap_or(&self.embed);
+            let mut logits = vec![0f32; head.rows];
+            head.multiply(&Activations::new(last, 1, self.config.hidden_size), &mut logits, team);
+            logits
+        })
     }
 
     /// Hidden states after the final norm, `[tokens, hidden]`.
-    fn hidden(&self, tokens: &[u32], cache: &mut CpuCache) -> Vec<f32> {
+    fn hidden(&self, tokens: &[u32], cache: &mut CpuCache, team: &Team) -> Vec<f32> {
         let c = &self.config;
         let n = tokens.len();
         let start = cache.len;
@@ -284,7 +305,7 @@ impl CpuModel {
             rms_norm_rows(&x, &layer.attn_norm, c.rms_norm_eps, &mut normed);
             {
                 let acts = Activations::new(&normed, n, h);
-                multiply_all(&mut [(&layer.q, &mut q[..]), (&layer.k, &mut k[..]), (&layer.v, &mut v[..])], &acts);
+                multiply_all(&mut [(&layer.q, &mut q[..]), (&layer.k, &mut k[..]), (&layer.v, &mut v[..])], &acts, team);
             }
             for (out, bias) in [(&mut q, &layer.q_bias), (&mut k, &layer.k_bias), (&mut v, &layer.v_bias)] {
                 if let Some(bias) = bias {
@@ -297,17 +318,17 @@ impl CpuModel {
                 self.rope(&mut k[t * kvh * d..(t + 1) * kvh * d], cos, sin, d);
             }
             cache.write(li, start, n, kvh, d, &k, &v);
-            cache.attend(li, start, n, nh, kvh, d, &q, &mut attn);
-            layer.o.multiply(&Activations::new(&attn, n, nh * d), &mut proj);
+            cache.attend(li, start, n, nh, kvh, d, &q, &mut attn, team);
+            layer.o.multiply(&Activations::new(&attn, n, nh * d), &mut proj, team);
             x.iter_mut().zip(&proj).for_each(|(x, p)| *x += p);
 
             rms_norm_rows(&x, &layer.mlp_norm, c.rms_norm_eps, &mut normed);
             {
                 let acts = Activations::new(&normed, n, h);
-                multiply_all(&mut [(&layer.gate, &mut gate[..]), (&layer.up, &mut up[..])], &acts);
+                multiply_all(&mut [(&layer.gate, &mut gate[..]), (&layer.up, &mut up[..])], &acts, team);
             }
             gate.iter_mut().zip(&up).for_each(|(g, u)| *g = *g / (1.0 + (-*g).exp()) * u);
-            layer.down.multiply(&Activations::new(&gate, n, inter), &mut proj);
+            layer.down.multiply(&Activations::new(&gate, n, inter), &mut proj, team);
             x.iter_mut().zip(&proj).for_each(|(x, p)| *x += p);
         }
         cache.len = start + n;
@@ -397,7 +418,7 @@ impl CpuCache {
 
     /// Causal attention of the `n` new queries (positions `start..start + n`) over the cache.
     #[allow(clippy::too_many_arguments)]
-    fn attend(&self, layer: usize, start: usize, n: usize, nh: usize, kvh: usize, d: usize, q: &[f32], out: &mut [f32]) {
+    fn attend(&self, layer: usize, start: usize, n: usize, nh: usize, kvh: usize, d: usize, q: &[f32], out: &mut [f32], team: &Team) {
         let (keys, values, capacity) = (&self.keys[layer], &self.values[layer], self.capacity);
         let rep = nh / kvh;
         let scale = 1.0 / (d as f32).sqrt();
@@ -425,9 +446,12 @@ impl CpuCache {
                 out.iter_mut().zip(v).for_each(|(o, v)| *o += p * v);
             }
         };
+        // Heads of a short context are too little work to hand out.
         let work = n * nh * (start + n) * d;
-        if work >= 256 * 1024 && rayon::current_num_threads() > 1 {
-            out.par_chunks_mut(d).enumerate().for_each(|(i, o)| per_item(i, o));
+        if work >= 64 * 1024 {
+            let shared = SharedPtr(out.as_mut_ptr());
+            // SAFETY: item i writes its own `d` values.
+            team.for_each(n * nh, |i| per_item(i, unsafe { shared.slice(i * d, d) }));
         } else {
             out.chunks_mut(d).enumerate().for_each(|(i, o)| per_item(i, o));
         }

@@ -3,9 +3,8 @@
 use std::ops::Deref;
 use std::sync::{Arc, OnceLock};
 
-use rayon::prelude::*;
-
 use super::dot::{activation_kind, quantize_q8x256, quantize_q8x32, ActivationKind, Kernels, Q8x256, Q8x32};
+use super::team::Team;
 use crate::quants::GgmlType;
 
 /// A matrix's bytes: a range of a memory-mapped model file (no copy; the page cache holds it
@@ -84,13 +83,14 @@ impl PackedMatrix {
     }
 
     /// `out[t · rows + r] = row r · activation t` for every token `t` of `x` and every row `r`.
-    pub fn multiply(&self, x: &Activations, out: &mut [f32]) {
-        multiply_all(&mut [(self, out)], x);
+    pub fn multiply(&self, x: &Activations, out: &mut [f32], team: &Team) {
+        multiply_all(&mut [(self, out)], x, team);
     }
 
-    /// `dot(r, t, out)`: rows `r..r + out.len()` (at most 4) times activation `t`.
+    /// `dot(r, t, tokens, out)`: rows `r..r + n` (at most 4) times activations `t..t + tokens`
+    /// (1 or 2), into `out[k · n + i]` for token `t + k` and row `r + i`.
     #[allow(clippy::type_complexity)]
-    fn rows_dot<'s>(&'s self, x: &'s Activations) -> Box<dyn Fn(usize, usize, &mut [f32]) + Sync + 's> {
+    fn rows_dot<'s>(&'s self, x: &'s Activations, team: &Team) -> Box<dyn Fn(usize, usize, usize, &mut [f32]) + Sync + 's> {
         assert_eq!(x.cols, self.cols, "activations have {} columns, the weights {}", x.cols, self.cols);
         let kernels = Kernels::detect();
         let rb = self.row_bytes;
@@ -98,71 +98,96 @@ impl PackedMatrix {
         match activation_kind(self.ty).expect("checked at construction") {
             ActivationKind::F32 => {
                 let f = if self.ty == GgmlType::F32 { kernels.f32_rows } else { kernels.f16_rows };
-                Box::new(move |r, t, out| f(rows(r, out.len()), rb, x.row_f32(t), out))
+                Box::new(move |r, t, tokens, out| {
+                    let n = out.len() / tokens;
+                    for (k, out) in out.chunks_exact_mut(n).enumerate() {
+                        f(rows(r, n), rb, x.row_f32(t + k), out)
+                    }
+                })
             }
             ActivationKind::Q8x32 => {
-                let f = match self.ty {
-                    GgmlType::Q4_0 => kernels.q4_0,
-                    GgmlType::Q4_1 => kernels.q4_1,
-                    _ => kernels.q8_0,
+                let (f, pairs) = match self.ty {
+                    GgmlType::Q4_0 => (kernels.q4_0, kernels.q4_0_pairs),
+                    GgmlType::Q4_1 => (kernels.q4_1, kernels.q4_1_pairs),
+                    _ => (kernels.q8_0, kernels.q8_0_pairs),
                 };
-                let q = x.q8x32();
+                let q = x.q8x32(team);
                 let per = self.cols / 32;
-                Box::new(move |r, t, out| f(rows(r, out.len()), rb, &q[t * per..(t + 1) * per], out))
+                let token = move |t: usize| &q[t * per..(t + 1) * per];
+                Box::new(move |r, t, tokens, out| {
+                    let n = out.len() / tokens;
+                    if tokens == 2 {
+                        pairs(rows(r, n), rb, [token(t), token(t + 1)], out)
+                    } else {
+                        f(rows(r, n), rb, token(t), out)
+                    }
+                })
             }
             ActivationKind::Q8x256 => {
-                let f = match self.ty {
-                    GgmlType::Q4K => kernels.q4_k,
-                    GgmlType::Q5K => kernels.q5_k,
-                    _ => kernels.q6_k,
+                let (f, pairs) = match self.ty {
+                    GgmlType::Q4K => (kernels.q4_k, kernels.q4_k_pairs),
+                    GgmlType::Q5K => (kernels.q5_k, kernels.q5_k_pairs),
+                    _ => (kernels.q6_k, kernels.q6_k_pairs),
                 };
-                let q = x.q8x256();
+                let q = x.q8x256(team);
                 let per = self.cols / 256;
-                Box::new(move |r, t, out| f(rows(r, out.len()), rb, &q[t * per..(t + 1) * per], out))
+                let token = move |t: usize| &q[t * per..(t + 1) * per];
+                Box::new(move |r, t, tokens, out| {
+                    let n = out.len() / tokens;
+                    if tokens == 2 {
+                        pairs(rows(r, n), rb, [token(t), token(t + 1)], out)
+                    } else {
+                        f(rows(r, n), rb, token(t), out)
+                    }
+                })
             }
         }
     }
 }
 
-/// Several products of the same activations (q, k and v; gate and up) in one parallel region:
-/// one hand-off to the threads instead of one per matrix, which at decode (a few microseconds of
-/// work per matrix) costs as much as the work.
-pub fn multiply_all(products: &mut [(&PackedMatrix, &mut [f32])], x: &Activations) {
+/// Several products of the same activations (q, k and v; gate and up) in one parallel step of
+/// the team: one hand-off to the threads instead of one per matrix.
+pub fn multiply_all(products: &mut [(&PackedMatrix, &mut [f32])], x: &Activations, team: &Team) {
     let tokens = x.rows;
     let mut tasks = Vec::new();
     let mut dots = Vec::with_capacity(products.len());
     for (i, (m, out)) in products.iter_mut().enumerate() {
         assert_eq!(out.len(), tokens * m.rows);
-        dots.push((m.rows_dot(x), SharedOut(out.as_mut_ptr()), m.rows));
-        let tile = tile_rows(m.rows, tokens, m.cols);
+        dots.push((m.rows_dot(x, team), SharedPtr(out.as_mut_ptr()), m.rows));
+        let tile = tile_rows(m.rows, tokens, m.cols, team.threads());
         tasks.extend((0..m.rows.div_ceil(tile)).map(|k| (i, k * tile, ((k + 1) * tile).min(m.rows))));
     }
     // Rows are split into tiles over the threads; within a tile every token reads the tile's
     // rows while they are in cache.
-    let run = |&(i, first, last): &(usize, usize, usize)| {
+    team.for_each(tasks.len(), |task| {
+        let (i, first, last) = tasks[task];
         let (dot, out, rows) = &dots[i];
-        for t in 0..tokens {
+        // Tokens two at a time (a kernel unpacks each weight block once for both), the last
+        // alone if their count is odd.
+        let mut t = 0;
+        while t < tokens {
+            let pair = if t + 1 < tokens { 2 } else { 1 };
             let mut r = first;
             while r < last {
                 let n = (last - r).min(4);
-                // SAFETY: rows r..r + n of token t belong to this task alone, inside product i's `out`.
-                dot(r, t, unsafe { out.slice(t * rows + r, n) });
+                let mut sums = [0f32; 8];
+                dot(r, t, pair, &mut sums[..pair * n]);
+                for k in 0..pair {
+                    // SAFETY: rows r..r + n of token t + k belong to this task alone, inside
+                    // product i's `out`.
+                    unsafe { out.slice((t + k) * rows + r, n) }.copy_from_slice(&sums[k * n..(k + 1) * n]);
+                }
                 r += n;
             }
+            t += pair;
         }
-    };
-    if tasks.len() == 1 || rayon::current_num_threads() == 1 {
-        tasks.iter().for_each(run);
-    } else {
-        tasks.par_iter().for_each(run);
-    }
+    });
 }
 
 /// Rows per task: enough work per task to pay for handing it out, and enough tasks to keep
 /// every thread busy to the end.
-fn tile_rows(rows: usize, tokens: usize, cols: usize) -> usize {
+fn tile_rows(rows: usize, tokens: usize, cols: usize, threads: usize) -> usize {
     const MIN_WORK: usize = 64 * 1024;
-    let threads = rayon::current_num_threads().max(1);
     let by_work = MIN_WORK.div_ceil(cols * tokens).max(1);
     let by_balance = rows.div_ceil(threads * 4).max(1);
     // Prefill tiles stay small enough for the tile's rows to sit in the L1/L2 cache.
@@ -170,13 +195,16 @@ fn tile_rows(rows: usize, tokens: usize, cols: usize) -> usize {
     by_work.max(by_balance.min(by_cache)).min(rows.max(1))
 }
 
+/// A buffer that the tasks of one parallel step write disjoint parts of.
 #[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
-unsafe impl Send for SharedOut {}
-unsafe impl Sync for SharedOut {}
-impl SharedOut {
+pub(crate) struct SharedPtr<T>(pub *mut T);
+unsafe impl<T: Send> Send for SharedPtr<T> {}
+unsafe impl<T: Send> Sync for SharedPtr<T> {}
+impl<T> SharedPtr<T> {
+    /// # Safety
+    /// `at..at + len` lies inside the buffer, and no other task touches it during the step.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn slice(&self, at: usize, len: usize) -> &mut [f32] {
+    pub(crate) unsafe fn slice(&self, at: usize, len: usize) -> &mut [T] {
         std::slice::from_raw_parts_mut(self.0.add(at), len)
     }
 }
@@ -201,22 +229,25 @@ impl<'a> Activations<'a> {
         &self.values[t * self.cols..(t + 1) * self.cols]
     }
 
-    fn q8x32(&self) -> &[Q8x32] {
-        self.q32.get_or_init(|| {
-            let mut q = vec![Q8x32::default(); self.values.len() / 32];
-            let per = self.cols / 32;
-            q.par_chunks_mut(per).zip(self.values.par_chunks(self.cols)).for_each(|(q, x)| quantize_q8x32(x, q));
-            q
-        })
+    fn q8x32(&self, team: &Team) -> &[Q8x32] {
+        self.q32.get_or_init(|| self.quantized(team, 32, quantize_q8x32))
     }
 
-    fn q8x256(&self) -> &[Q8x256] {
-        self.q256.get_or_init(|| {
-            let mut q = vec![Q8x256::default(); self.values.len() / 256];
-            let per = self.cols / 256;
-            q.par_chunks_mut(per).zip(self.values.par_chunks(self.cols)).for_each(|(q, x)| quantize_q8x256(x, q));
-            q
-        })
+    fn q8x256(&self, team: &Team) -> &[Q8x256] {
+        self.q256.get_or_init(|| self.quantized(team, 256, quantize_q8x256))
+    }
+
+    /// Every row quantized to blocks of `block` values, rows spread over the team.
+    fn quantized<B: Default + Clone + Send>(&self, team: &Team, block: usize, quantize: fn(&[f32], &mut [B])) -> Vec<B> {
+        let per = self.cols / block;
+        let mut q = vec![B::default(); self.rows * per];
+        let out = SharedPtr(q.as_mut_ptr());
+        team.for_each(self.rows, |t| {
+            // SAFETY: row t's blocks belong to this task alone.
+            let row = unsafe { out.slice(t * per, per) };
+            quantize(self.row_f32(t), row);
+        });
+        q
     }
 }
 
@@ -234,7 +265,7 @@ mod tests {
         let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 104_729 % 997) as f32 / 997.0 - 0.5) * 2.0).collect();
         for m in [PackedMatrix::q8_0_from_f32(&values, rows, cols), PackedMatrix::from_f32(&values, rows, cols)] {
             let mut out = vec![0f32; tokens * rows];
-            m.multiply(&Activations::new(&x, tokens, cols), &mut out);
+            m.multiply(&Activations::new(&x, tokens, cols), &mut out, &Team::solo());
             for t in 0..tokens {
                 let xt = &x[t * cols..(t + 1) * cols];
                 let reference = if m.ty == GgmlType::F32 {

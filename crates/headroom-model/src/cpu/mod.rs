@@ -5,6 +5,8 @@
 //! - [`dot`]: activation blocks, the scalar reference dot products, run-time kernel choice;
 //! - `avx2`: the x86-64 kernels (AVX2, FMA, F16C);
 //! - [`matrix`]: packed matrices and their threaded products (decode rows and prefill tiles);
+//! - [`team`]: the pool's threads held together for a forward pass (one wake-up, not one per
+//!   product);
 //! - [`engine`]: the decoder on top ([`CpuModel`], [`CpuCache`]).
 //!
 //! Other processors (aarch64 included) run the scalar kernels.
@@ -12,6 +14,7 @@
 pub mod dot;
 pub mod engine;
 pub mod matrix;
+pub mod team;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 
