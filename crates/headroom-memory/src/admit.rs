@@ -158,6 +158,7 @@ impl Planner {
         }
     }
 
+    /// The request on the device this planner is for.
     pub fn footprint(&self, request: RequestShape) -> Footprint {
         Footprint::estimate(
             &self.shape,
@@ -165,6 +166,14 @@ impl Planner {
             &self.calibration,
             self.config.fragmentation_margin_percent,
         )
+    }
+
+    /// The request in host RAM on the CPU worker, whose KV cache has the configured
+    /// `cpu_kv_cache` precision.
+    pub fn host_footprint(&self, request: RequestShape) -> Footprint {
+        let mut shape = self.shape.clone();
+        shape.kv_value_bytes = self.config.cpu_kv_cache.bytes_per_value() as u64;
+        Footprint::estimate(&shape, request, &self.calibration, self.config.fragmentation_margin_percent)
     }
 
     /// The largest max_tokens whose footprint fits in `available` bytes, if any.
@@ -185,6 +194,7 @@ impl Planner {
     fn context(&self, request: RequestShape, allow: Allowances, host: &Budget) -> DecisionContext {
         let fp = self.footprint(request);
         let needs = fp.request_bytes();
+        let cpu_needs = self.host_footprint(request).request_bytes();
         let cpu_allowed = allow.cpu && self.config.allow_cpu_redirect;
         let cpu_available = host.available_bytes();
         DecisionContext {
@@ -197,7 +207,7 @@ impl Planner {
                 human_bytes(fp.margin_bytes)
             ),
             needs,
-            cpu_fits: cpu_allowed && needs <= cpu_available,
+            cpu_fits: cpu_allowed && cpu_needs <= cpu_available,
             cpu_allowed,
             cpu_available,
             host_reserve: host.reserve_bytes,

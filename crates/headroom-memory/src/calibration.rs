@@ -123,7 +123,7 @@ pub fn planner_for(
     config: crate::MemoryConfig,
 ) -> (crate::Planner, ResolvedCalibration) {
     let resolved = resolve(&bundle.path, &bundle.hash, backend);
-    let shape = crate::ModelShape::for_backend(bundle, backend);
+    let shape = crate::ModelShape::for_backend(bundle, backend, config.cpu_kv_cache);
     (crate::Planner::new(shape, resolved.calibration, config), resolved)
 }
 

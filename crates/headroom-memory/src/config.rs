@@ -29,6 +29,9 @@ pub struct MemoryConfig {
     pub min_shrunk_tokens: u64,
     /// Memory sampling rate for the UI and metrics, in ms.
     pub sample_interval_ms: u64,
+    /// Precision of the CPU worker's KV cache, `"f32"` or `"f16"` (half the host RAM per token,
+    /// the same text within rounding). Admission counts the chosen one.
+    pub cpu_kv_cache: headroom_model::KvPrecision,
 }
 
 impl Default for MemoryConfig {
@@ -44,6 +47,7 @@ impl Default for MemoryConfig {
             allow_cpu_redirect: true,
             min_shrunk_tokens: 16,
             sample_interval_ms: 1000,
+            cpu_kv_cache: headroom_model::KvPrecision::F32,
         }
     }
 }
@@ -105,6 +109,9 @@ impl MemoryConfig {
         }
         if let Some(v) = env_parse("HEADROOM_ALLOW_CPU_REDIRECT")? {
             self.allow_cpu_redirect = v;
+        }
+        if let Some(v) = env_parse("HEADROOM_CPU_KV_CACHE")? {
+            self.cpu_kv_cache = v;
         }
         self.validate()
     }

@@ -2,7 +2,7 @@
 //! KV cache for prompt + max_tokens, the activation workspace of one prefill chunk (calibrated by
 //! measurement), and a fragmentation margin. Weights are counted once per loaded model.
 
-use headroom_model::{GenerateRequest, LlamaConfig};
+use headroom_model::{GenerateRequest, KvPrecision, LlamaConfig};
 use serde::{Deserialize, Serialize};
 
 pub const MIB: u64 = 1024 * 1024;
@@ -26,6 +26,10 @@ pub struct ModelShape {
     /// GGUF file's packed tensors. 0: `parameters × dtype_bytes`.
     #[serde(default)]
     pub packed_weights_bytes: u64,
+    /// Bytes per KV cache value where the cache is not held at `dtype_bytes`: the CPU engine's
+    /// f16 cache (the `cpu_kv_cache` setting). 0: `dtype_bytes`.
+    #[serde(default)]
+    pub kv_value_bytes: u64,
 }
 
 impl ModelShape {
@@ -43,17 +47,28 @@ impl ModelShape {
             dtype_bytes: 4,
             context: config.max_position_embeddings as u64,
             packed_weights_bytes: 0,
+            kv_value_bytes: 0,
         }
     }
 
     /// The shape on `backend`: on the CPU, the engine's weights are the file's packed bytes
-    /// ([`headroom_model::ModelBundle::cpu_weight_bytes`]); a GPU holds them as f32.
-    pub fn for_backend(bundle: &headroom_model::ModelBundle, backend: &str) -> Self {
-        let mut shape = Self::from_config(&bundle.config);
+    /// ([`headroom_model::ModelBundle::cpu_weight_bytes`]) and its KV cache has the precision
+    /// `cpu_kv`; a GPU holds both as f32.
+    pub fn for_backend(bundle: &headroom_model::ModelBundle, backend: &str, cpu_kv: KvPrecision) -> Self {
+        let shape = Self::from_config(&bundle.config);
         if backend == "cpu" {
-            shape.packed_weights_bytes = bundle.cpu_weight_bytes;
+            shape.on_cpu(bundle.cpu_weight_bytes, cpu_kv)
+        } else {
+            shape
         }
-        shape
+    }
+
+    /// This shape as the CPU engine holds it: `packed_weights_bytes` of weights (0: as
+    /// `dtype_bytes`), the KV cache at `kv`.
+    pub fn on_cpu(mut self, packed_weights_bytes: u64, kv: KvPrecision) -> Self {
+        self.packed_weights_bytes = packed_weights_bytes;
+        self.kv_value_bytes = kv.bytes_per_value() as u64;
+        self
     }
 
     pub fn weights_bytes(&self) -> u64 {
@@ -64,9 +79,10 @@ impl ModelShape {
         }
     }
 
-    /// 2 (K and V) × layers × kv_heads × head_dim × dtype bytes.
+    /// 2 (K and V) × layers × kv_heads × head_dim × bytes per value.
     pub fn kv_bytes_per_token(&self) -> u64 {
-        2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+        let value = if self.kv_value_bytes > 0 { self.kv_value_bytes } else { self.dtype_bytes };
+        2 * self.layers * self.kv_heads * self.head_dim * value
     }
 }
 
@@ -289,6 +305,7 @@ mod tests {
             dtype_bytes: 2,
             context: 131_072,
             packed_weights_bytes: 0,
+            kv_value_bytes: 0,
         }
     }
 

@@ -20,6 +20,7 @@ fn shape() -> ModelShape {
         dtype_bytes: 2,
         context: 131_072,
         packed_weights_bytes: 0,
+        kv_value_bytes: 0,
     }
 }
 
@@ -186,4 +187,25 @@ fn only_reservations_come_back_by_waiting() {
     assert_eq!(b.available_after_release_bytes(), 65, "plus what our requests hold");
     let unobserved = Budget { observed_free_bytes: None, ..b };
     assert_eq!(unobserved.available_after_release_bytes(), 70);
+}
+
+/// The CPU worker's KV cache precision decides what a CPU request holds in host RAM: f16 needs
+/// half the KV bytes of f32, so host RAM between the two admits the request on the CPU with f16
+/// and refuses it with f32 (the control: the same request and budget, the f32 cache).
+#[test]
+fn host_ram_admission_counts_the_cpu_kv_cache_precision() {
+    use headroom_model::KvPrecision;
+    let request = RequestShape { prompt_tokens: 1000, max_tokens: 7000, prefill_chunk: 512 };
+    let with = |kv: KvPrecision| Planner::new(shape(), Calibration::default(), MemoryConfig { cpu_kv_cache: kv, ..MemoryConfig::default() });
+    let (f32_cache, f16_cache) = (with(KvPrecision::F32), with(KvPrecision::F16));
+    let (f32_fp, f16_fp) = (f32_cache.host_footprint(request), f16_cache.host_footprint(request));
+    assert_eq!(f32_fp.kv_bytes, 2 * f16_fp.kv_bytes);
+    assert_eq!(f16_fp.kv_bytes, 2 * 16 * 8 * 64 * 2 * 8000, "K and V × layers × kv heads × head dim × 2 bytes × tokens");
+    let between = (f32_fp.request_bytes() + f16_fp.request_bytes()) / 2;
+    let host = Budget { total_bytes: between + GIB, reserve_bytes: GIB, weights_bytes: 0, held_bytes: 0, observed_free_bytes: None };
+    let why = "no healthy GPU";
+    let d = f16_cache.decide_without_gpu(why, request, Allowances::default(), &host);
+    assert!(matches!(d, Admission::Cpu { .. }), "f16: {d:?}");
+    let d = f32_cache.decide_without_gpu(why, request, Allowances::default(), &host);
+    assert!(matches!(d, Admission::Refuse { .. }), "f32: {d:?}");
 }

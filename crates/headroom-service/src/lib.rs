@@ -45,6 +45,9 @@ pub struct WorkerArgs {
     /// Simulated VRAM capacity of the sim device.
     #[arg(long, default_value_t = 2048)]
     pub sim_vram_mib: u64,
+    /// Precision of the CPU engine's KV cache: f32 or f16.
+    #[arg(long, default_value = "f32")]
+    pub kv_cache: headroom_model::KvPrecision,
 }
 
 /// Runs one worker until its stdin closes; returns the process exit code. Never touches CUDA
@@ -56,6 +59,10 @@ pub fn run_worker(args: WorkerArgs) -> Result<i32> {
             bail!("worker --device {device}: {reason}; use --device cpu or sim");
         }
     }
+    Ok(headroom_worker::run_stdio(worker_options(device, args)))
+}
+
+fn worker_options(device: Device, args: WorkerArgs) -> WorkerOptions {
     let mut options = WorkerOptions::new(device);
     if let Some(n) = args.max_concurrency {
         options.max_concurrency = n.max(1);
@@ -63,7 +70,45 @@ pub fn run_worker(args: WorkerArgs) -> Result<i32> {
     options.max_context_tokens = args.max_context_tokens;
     options.memory_sample_ms = args.memory_sample_ms;
     options.sim_vram_mib = args.sim_vram_mib;
-    Ok(headroom_worker::run_stdio(options))
+    options.kv_cache = args.kv_cache;
+    options
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(subcommand)]
+        command: Command,
+    }
+
+    #[derive(clap::Subcommand)]
+    enum Command {
+        Worker(WorkerArgs),
+    }
+
+    /// The flags the supervisor starts a worker with are the ones the worker reads back:
+    /// concurrency, context limit and the CPU KV cache precision arrive unchanged.
+    #[test]
+    fn worker_options_survive_the_command_line() {
+        let mut sent = WorkerOptions::new(Device::Cpu);
+        sent.max_concurrency = 3;
+        sent.max_context_tokens = Some(4096);
+        sent.kv_cache = headroom_model::KvPrecision::F16;
+        let args = std::iter::once("headroom".to_string()).chain(sent.to_args());
+        let Command::Worker(parsed) = Cli::try_parse_from(args).unwrap().command;
+        let device = parsed.device.parse().unwrap();
+        let received = worker_options(device, parsed);
+        assert_eq!(
+            (received.device, received.max_concurrency, received.max_context_tokens, received.kv_cache),
+            (sent.device, sent.max_concurrency, sent.max_context_tokens, sent.kv_cache)
+        );
+        let bad = Cli::try_parse_from(["headroom", "worker", "--device", "cpu", "--kv-cache", "q8"]);
+        assert!(bad.is_err_and(|e| e.to_string().contains("\"f32\" or \"f16\"")), "a clear error for an unknown precision");
+    }
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
@@ -234,6 +279,7 @@ pub async fn run(
     let mut cpu = WorkerOptions::new(Device::Cpu);
     cpu.max_concurrency = settings.cpu_max_concurrency;
     cpu.max_context_tokens = Some(settings.cpu_max_context_tokens);
+    cpu.kv_cache = memory.cpu_kv_cache;
 
     {
         let backend = headroom_memory::calibration::backend_key(&gpu.as_ref().map(|g| g.device.label()).unwrap_or_else(|| "cpu".into()));

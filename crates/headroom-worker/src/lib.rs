@@ -96,6 +96,8 @@ pub struct WorkerOptions {
     pub memory_sample_ms: u64,
     /// Simulated VRAM capacity (sim only).
     pub sim_vram_mib: u64,
+    /// Precision of the KV cache on the CPU device (the sim GPU models a GPU's f32).
+    pub kv_cache: headroom_model::KvPrecision,
 }
 
 impl WorkerOptions {
@@ -108,6 +110,7 @@ impl WorkerOptions {
             max_context_tokens: if device.is_gpu() { None } else { Some(8192) },
             memory_sample_ms: 1000,
             sim_vram_mib: 2048,
+            kv_cache: headroom_model::KvPrecision::F32,
         }
     }
 
@@ -126,6 +129,9 @@ impl WorkerOptions {
         ];
         if let Some(limit) = self.max_context_tokens {
             args.extend(["--max-context-tokens".into(), limit.to_string()]);
+        }
+        if self.device == Device::Cpu {
+            args.extend(["--kv-cache".into(), self.kv_cache.to_string()]);
         }
         args
     }

@@ -180,7 +180,7 @@ impl State {
         let (planner, calibration) = headroom_memory::planner_for(
             &bundle,
             headroom_memory::calibration::backend_key(&self.options.device.label()),
-            MemoryConfig::default(),
+            MemoryConfig { cpu_kv_cache: self.options.kv_cache, ..MemoryConfig::default() },
         );
         tracing::info!(source = %calibration.source, "workspace calibration");
         let context = self.context_limit(&bundle);
@@ -200,9 +200,12 @@ impl State {
     fn load_engine(&self, bundle: &ModelBundle) -> Result<Engine, (FailureKind, String)> {
         let loaded = catch_unwind(AssertUnwindSafe(|| -> Result<Engine, headroom_model::Error> {
             match self.options.device {
-                Device::Cpu | Device::Sim => {
-                    Ok(Engine::Cpu(bundle.load_cpu(|_, _| {})?))
+                Device::Cpu => {
+                    let mut model = bundle.load_cpu(|_, _| {})?;
+                    model.kv_precision = self.options.kv_cache;
+                    Ok(Engine::Cpu(model))
                 }
+                Device::Sim => Ok(Engine::Cpu(bundle.load_cpu(|_, _| {})?)),
                 #[cfg(feature = "cuda")]
                 Device::Cuda(index) => {
                     crate::kernel_cache::configure();

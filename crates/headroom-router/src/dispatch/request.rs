@@ -208,7 +208,7 @@ impl Dispatcher {
             });
         }
         let host_reservation = if lane.lane == Lane::Cpu {
-            match self.inner.host_ledger.try_reserve(id, self.inner.planner.footprint(shape).request_bytes()) {
+            match self.inner.host_ledger.try_reserve(id, self.inner.planner.host_footprint(shape).request_bytes()) {
                 Ok(r) => Some(r),
                 Err(e) => {
                     lane.waiting.fetch_sub(1, Ordering::SeqCst);
@@ -241,7 +241,7 @@ impl Dispatcher {
             lane.forget(id);
             return Err(self.end_in_queue(lane, id, shape.prompt_tokens, shape.max_tokens, journal_failure(&e)));
         }
-        let bytes = self.inner.planner.footprint(shape).request_bytes();
+        let bytes = self.inner.planner.host_footprint(shape).request_bytes();
         loop {
             match self.inner.host_ledger.try_reserve(id, bytes) {
                 Ok(r) => return Ok(r),
