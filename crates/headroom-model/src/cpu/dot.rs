@@ -282,6 +282,26 @@ impl Kernels {
         q6_k_pairs: each_row_pair!(scalar::q6_k, 210),
     };
 
+    /// The one-token and two-token kernels of a 32-value block type (Q4_0, Q4_1, Q8_0).
+    pub fn q8x32_kernels(&self, ty: GgmlType) -> (Q32Rows, Q32Pairs) {
+        match ty {
+            GgmlType::Q4_0 => (self.q4_0, self.q4_0_pairs),
+            GgmlType::Q4_1 => (self.q4_1, self.q4_1_pairs),
+            GgmlType::Q8_0 => (self.q8_0, self.q8_0_pairs),
+            other => unreachable!("{other} is not multiplied with 32-value activation blocks"),
+        }
+    }
+
+    /// The one-token and two-token kernels of a K-quant (Q4_K, Q5_K, Q6_K).
+    pub fn q8x256_kernels(&self, ty: GgmlType) -> (Q256Rows, Q256Pairs) {
+        match ty {
+            GgmlType::Q4K => (self.q4_k, self.q4_k_pairs),
+            GgmlType::Q5K => (self.q5_k, self.q5_k_pairs),
+            GgmlType::Q6K => (self.q6_k, self.q6_k_pairs),
+            other => unreachable!("{other} is not multiplied with 256-value activation blocks"),
+        }
+    }
+
     /// The fastest set this processor runs; `HEADROOM_CPU_KERNELS=scalar` forces the reference.
     pub fn detect() -> &'static Kernels {
         static CHOSEN: std::sync::OnceLock<Kernels> = std::sync::OnceLock::new();
@@ -404,11 +424,7 @@ mod tests {
                     quantize_q8x32(x, &mut a);
                     a
                 });
-                (match ty {
-                    GgmlType::Q4_0 => k.q4_0_pairs,
-                    GgmlType::Q4_1 => k.q4_1_pairs,
-                    _ => k.q8_0_pairs,
-                })(w, row_bytes, [&a[0], &a[1]], out)
+                k.q8x32_kernels(ty).1(w, row_bytes, [&a[0], &a[1]], out)
             }
             ActivationKind::Q8x256 => {
                 let a = x.map(|x| {
@@ -416,11 +432,7 @@ mod tests {
                     quantize_q8x256(x, &mut a);
                     a
                 });
-                (match ty {
-                    GgmlType::Q4K => k.q4_k_pairs,
-                    GgmlType::Q5K => k.q5_k_pairs,
-                    _ => k.q6_k_pairs,
-                })(w, row_bytes, [&a[0], &a[1]], out)
+                k.q8x256_kernels(ty).1(w, row_bytes, [&a[0], &a[1]], out)
             }
             ActivationKind::F32 => unreachable!("float rows take one token at a time"),
         }
@@ -433,20 +445,12 @@ mod tests {
             ActivationKind::Q8x32 => {
                 let mut a = vec![Q8x32::default(); x.len() / 32];
                 quantize_q8x32(x, &mut a);
-                (match ty {
-                    GgmlType::Q4_0 => k.q4_0,
-                    GgmlType::Q4_1 => k.q4_1,
-                    _ => k.q8_0,
-                })(w, row_bytes, &a, out)
+                k.q8x32_kernels(ty).0(w, row_bytes, &a, out)
             }
             ActivationKind::Q8x256 => {
                 let mut a = vec![Q8x256::default(); x.len() / 256];
                 quantize_q8x256(x, &mut a);
-                (match ty {
-                    GgmlType::Q4K => k.q4_k,
-                    GgmlType::Q5K => k.q5_k,
-                    _ => k.q6_k,
-                })(w, row_bytes, &a, out)
+                k.q8x256_kernels(ty).0(w, row_bytes, &a, out)
             }
         }
     }

@@ -105,44 +105,31 @@ impl PackedMatrix {
                     }
                 })
             }
-            ActivationKind::Q8x32 => {
-                let (f, pairs) = match self.ty {
-                    GgmlType::Q4_0 => (kernels.q4_0, kernels.q4_0_pairs),
-                    GgmlType::Q4_1 => (kernels.q4_1, kernels.q4_1_pairs),
-                    _ => (kernels.q8_0, kernels.q8_0_pairs),
-                };
-                let q = x.q8x32(team);
-                let per = self.cols / 32;
-                let token = move |t: usize| &q[t * per..(t + 1) * per];
-                Box::new(move |r, t, tokens, out| {
-                    let n = out.len() / tokens;
-                    if tokens == 2 {
-                        pairs(rows(r, n), rb, [token(t), token(t + 1)], out)
-                    } else {
-                        f(rows(r, n), rb, token(t), out)
-                    }
-                })
-            }
-            ActivationKind::Q8x256 => {
-                let (f, pairs) = match self.ty {
-                    GgmlType::Q4K => (kernels.q4_k, kernels.q4_k_pairs),
-                    GgmlType::Q5K => (kernels.q5_k, kernels.q5_k_pairs),
-                    _ => (kernels.q6_k, kernels.q6_k_pairs),
-                };
-                let q = x.q8x256(team);
-                let per = self.cols / 256;
-                let token = move |t: usize| &q[t * per..(t + 1) * per];
-                Box::new(move |r, t, tokens, out| {
-                    let n = out.len() / tokens;
-                    if tokens == 2 {
-                        pairs(rows(r, n), rb, [token(t), token(t + 1)], out)
-                    } else {
-                        f(rows(r, n), rb, token(t), out)
-                    }
-                })
-            }
+            ActivationKind::Q8x32 => block_dot(rows, rb, x.q8x32(team), self.cols / 32, kernels.q8x32_kernels(self.ty)),
+            ActivationKind::Q8x256 => block_dot(rows, rb, x.q8x256(team), self.cols / 256, kernels.q8x256_kernels(self.ty)),
         }
     }
+}
+
+/// [`PackedMatrix::rows_dot`] for a type multiplied with quantized activation blocks `A` (`per`
+/// of them per token): two tokens go to the kernel that unpacks each weight block once for both.
+#[allow(clippy::type_complexity)]
+fn block_dot<'s, A: Sync>(
+    rows: impl Fn(usize, usize) -> &'s [u8] + Sync + 's,
+    row_bytes: usize,
+    q: &'s [A],
+    per: usize,
+    (one, pairs): (fn(&[u8], usize, &[A], &mut [f32]), fn(&[u8], usize, [&[A]; 2], &mut [f32])),
+) -> Box<dyn Fn(usize, usize, usize, &mut [f32]) + Sync + 's> {
+    let token = move |t: usize| &q[t * per..(t + 1) * per];
+    Box::new(move |r, t, tokens, out| {
+        let n = out.len() / tokens;
+        if tokens == 2 {
+            pairs(rows(r, n), row_bytes, [token(t), token(t + 1)], out)
+        } else {
+            one(rows(r, n), row_bytes, token(t), out)
+        }
+    })
 }
 
 /// Several products of the same activations (q, k and v; gate and up) in one parallel step of
