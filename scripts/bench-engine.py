@@ -2,13 +2,14 @@
 """Headroom's CPU engine against llama.cpp (llama-cpp-python) on the same GGUF files, same
 threads, same prompt length and decode steps, side by side in one run.
 
-    .venv/bin/python scripts/bench-engine.py [--threads N] [--runs 3] [--no-1b] [FILE ...]
+    .venv/bin/python scripts/bench-engine.py [--threads N] [--runs 3] [--no-1b] [--unquantized] [FILE ...]
 
 Without FILE: the default model (SmolLM2-135M-Instruct Q4_1) and a random-weight ~1B Llama in
 Q4_K_M and Q8_0, written with `gguf` and quantized with llama.cpp's quantizer, cached in
 ~/.cache/headroom/bench (outside the repository). Headroom's side is `headroom model bench`, which
 also measures this machine's read bandwidth; decode is reported as a share of the bound
-(weight bytes per token ÷ bandwidth). Prints one table and writes the figures as JSON
+(weight bytes per token ÷ bandwidth), and the resident memory the model added against what
+admission predicts for it (weights + KV cache + workspace). Prints one table and writes the figures as JSON
 (target/bench-engine.json).
 """
 
@@ -39,6 +40,14 @@ def prompt_ids(vocab, n):
     """The prompt `headroom model bench` uses: fixed ids away from the special tokens."""
     start = min(1000, vocab // 2)
     return [start + (i * 7919) % (vocab // 2) for i in range(n)]
+
+
+def mib(n):
+    return "?" if n is None else f"{n / 2**20:.0f} MiB"
+
+
+def percent(p):
+    return "?" if p is None else f"{p:+.1f}%"
 
 
 def run_llama_cpp(path, threads, prompt_tokens, decode_tokens, runs):
@@ -158,6 +167,25 @@ def random_1b_files():
     return list(files.values())
 
 
+def unquantized_files():
+    """The default model's weights unquantized, as F32 and F16 GGUF files (llama.cpp's quantizer
+    expands the Q4_1 file; both engines then read the same unquantized weights)."""
+    import llama_cpp
+
+    CACHE.mkdir(parents=True, exist_ok=True)
+    files = {"F32": CACHE / "SmolLM2-135M-Instruct.F32.gguf", "F16": CACHE / "SmolLM2-135M-Instruct.F16.gguf"}
+    for name, target in files.items():
+        if target.exists():
+            continue
+        print(f"expanding the default model to {target.name} with llama.cpp …", file=sys.stderr)
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = {"F32": llama_cpp.LLAMA_FTYPE_ALL_F32, "F16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16}[name]
+        params.allow_requantize = True
+        params.nthread = os.cpu_count() or 2
+        assert llama_cpp.llama_model_quantize(str(DEFAULT_MODEL).encode(), str(target).encode(), params) == 0
+    return list(files.values())
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="*", type=Path)
@@ -166,9 +194,12 @@ def main():
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--no-1b", action="store_true", help="skip the random ~1B models")
+    parser.add_argument("--unquantized", action="store_true", help="also the default model expanded to F32 and F16")
     parser.add_argument("--out", type=Path, default=ROOT / "target" / "bench-engine.json")
     args = parser.parse_args()
     files = args.files or [DEFAULT_MODEL] + ([] if args.no_1b else random_1b_files())
+    if args.unquantized:
+        files += unquantized_files()
     rows = []
     for path in files:
         ours = run_headroom(path, args.threads, args.prompt_tokens, args.decode_tokens, args.runs)
@@ -187,7 +218,9 @@ def main():
             f"{path.name:42} {args.threads:>2} threads | decode {ours['decode_tok_s']:7.1f} vs {theirs['decode_tok_s']:7.1f} tok/s "
             f"({row['decode_ratio']:.2f}×) | prefill {ours['prefill_tok_s']:7.1f} vs {theirs['prefill_tok_s']:7.1f} tok/s "
             f"({row['prefill_ratio']:.2f}×) | bound {ours['bandwidth_bound_tok_s']:.0f} tok/s at {ours['read_bandwidth_gb_s']:.1f} GB/s: "
-            f"headroom {ours['share_of_bound']:.0%}, llama.cpp {row['llama_cpp_share_of_bound']:.0%}",
+            f"headroom {ours['share_of_bound']:.0%}, llama.cpp {row['llama_cpp_share_of_bound']:.0%} | "
+            f"resident {mib(ours.get('resident_bytes'))} predicted {mib(ours.get('predicted_resident_bytes'))} "
+            f"({percent(ours.get('resident_error_percent'))})",
             flush=True,
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)

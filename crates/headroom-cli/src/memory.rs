@@ -77,10 +77,11 @@ pub fn plan(bundle: &ModelBundle, mut config: MemoryConfig, args: PlanArgs) -> R
     let host_budget = Budget {
         total_bytes: host.total_bytes,
         reserve_bytes: config.host_reserve_bytes(host.total_bytes),
-        // A CPU worker would load its own copy of the weights.
-        weights_bytes: shape.weights_bytes(),
+        // A CPU worker would load its own copy of the weights, as the CPU engine holds them
+        // (a GGUF file's packed tensors), whatever the GPU holds.
+        weights_bytes: bundle.cpu_weight_bytes,
         held_bytes: 0,
-        observed_free_bytes: Some(host.available_bytes.saturating_sub(shape.weights_bytes())),
+        observed_free_bytes: Some(host.available_bytes.saturating_sub(bundle.cpu_weight_bytes)),
     };
     let footprint = planner.footprint(request);
     let allow = Allowances {

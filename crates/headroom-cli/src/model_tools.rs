@@ -49,6 +49,9 @@ pub enum ModelCommand {
         /// KV cache precision.
         #[arg(long, value_enum, default_value = "f32")]
         kv: KvArg,
+        /// Skip measuring the read bandwidth (no memory-bandwidth bound in the output).
+        #[arg(long)]
+        no_bandwidth: bool,
     },
     /// Writes one tensor of a GGUF file, dequantized, as little-endian f32 (for comparing with
     /// other readers).
@@ -68,11 +71,11 @@ pub enum KvArg {
 
 pub fn run(command: ModelCommand) -> Result<()> {
     match command {
-        ModelCommand::Bench { model, prompt_tokens, decode_tokens, runs, threads, kv } => {
+        ModelCommand::Bench { model, prompt_tokens, decode_tokens, runs, threads, kv, no_bandwidth } => {
             if let Some(n) = threads {
                 rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("cannot size the thread pool")?;
             }
-            bench(&crate::open_bundle(&model)?, prompt_tokens, decode_tokens, runs.max(1), kv)
+            bench(&crate::open_bundle(&model)?, prompt_tokens, decode_tokens, runs.max(1), kv, !no_bandwidth)
         }
         ModelCommand::Inspect { model, json } => inspect(&crate::open_bundle(&model)?, json),
         ModelCommand::Tokenize { model } => {
@@ -165,15 +168,20 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn bench(bundle: &ModelBundle, prompt_tokens: usize, decode_tokens: usize, runs: usize, kv: KvArg) -> Result<()> {
+fn bench(bundle: &ModelBundle, prompt_tokens: usize, decode_tokens: usize, runs: usize, kv: KvArg, measure_bandwidth: bool) -> Result<()> {
+    use headroom_memory::observe::{process_resident, reset_resident_peak};
     use headroom_model::{generate, CancelToken, GenerateRequest, SamplingParams};
-    let started = std::time::Instant::now();
-    let mut model = bundle.load_cpu(|_, _| {})?;
-    let load_s = started.elapsed().as_secs_f64();
-    model.kv_precision = match kv {
+    let kv_precision = match kv {
         KvArg::F32 => headroom_model::KvPrecision::F32,
         KvArg::F16 => headroom_model::KvPrecision::F16,
     };
+    // What the process holds before the model: its code, the thread pool, the tokenizer.
+    let before = process_resident();
+    let peak_reset = reset_resident_peak();
+    let started = std::time::Instant::now();
+    let mut model = bundle.load_cpu(|_, _| {})?;
+    let load_s = started.elapsed().as_secs_f64();
+    model.kv_precision = kv_precision;
     let vocab = bundle.config.vocab_size as u32;
     // Fixed pseudo-random ids away from the special tokens at the start of most vocabularies.
     let prompt: Vec<u32> = (0..prompt_tokens as u32).map(|i| 1000.min(vocab / 2) + (i * 7919) % (vocab / 2)).collect();
@@ -189,12 +197,31 @@ fn bench(bundle: &ModelBundle, prompt_tokens: usize, decode_tokens: usize, runs:
             decode.push(g.decode_tokens_per_s());
         }
     }
-    let bandwidth = read_bandwidth_bytes_per_s();
+    // Resident memory the model and its requests added (measured before the bandwidth test's
+    // buffer), against what admission predicts for this request on the CPU: weights as loaded,
+    // KV cache at this precision, calibrated workspace.
+    let after = process_resident();
+    let (planner, calibration) = headroom_memory::planner_for(
+        bundle,
+        "cpu",
+        headroom_memory::MemoryConfig { cpu_kv_cache: kv_precision, ..Default::default() },
+    );
+    let footprint = planner.footprint(headroom_memory::RequestShape {
+        prompt_tokens: prompt_tokens as u64,
+        max_tokens: decode_tokens as u64,
+        prefill_chunk: prompt_tokens as u64,
+    });
+    let predicted_resident = footprint.weights_bytes + footprint.predicted_peak_bytes();
+    let resident = match (before, after, peak_reset) {
+        (Some(b), Some(a), true) => Some(a.peak_bytes.saturating_sub(b.now_bytes)),
+        _ => None,
+    };
+    let bandwidth = measure_bandwidth.then(read_bandwidth_bytes_per_s);
     let decode_tok_s = median(decode);
     // A decode step reads every weight once (the embedding only for its one row, unless it is
     // also the output head).
     let weight_bytes = model.bytes_read_per_token() as f64;
-    let bound_tok_s = bandwidth / weight_bytes;
+    let bound_tok_s = bandwidth.map(|b| b / weight_bytes);
     let out = serde_json::json!({
         "engine": "headroom",
         "model": bundle.path.display().to_string(),
@@ -210,9 +237,13 @@ fn bench(bundle: &ModelBundle, prompt_tokens: usize, decode_tokens: usize, runs:
         "decode_tok_s": decode_tok_s,
         "bytes_read_per_token": weight_bytes,
         "weight_bytes": model.weight_bytes(),
-        "read_bandwidth_gb_s": bandwidth / 1e9,
+        "read_bandwidth_gb_s": bandwidth.map(|b| b / 1e9),
         "bandwidth_bound_tok_s": bound_tok_s,
-        "share_of_bound": decode_tok_s / bound_tok_s,
+        "share_of_bound": bound_tok_s.map(|b| decode_tok_s / b),
+        "resident_bytes": resident,
+        "predicted_resident_bytes": predicted_resident,
+        "resident_error_percent": resident.map(|r| (predicted_resident as f64 - r as f64) / r as f64 * 100.0),
+        "calibration": calibration.source,
     });
     println!("{out}");
     Ok(())

@@ -39,6 +39,29 @@ pub fn host_memory() -> Option<HostMemory> {
     })
 }
 
+/// This process's resident memory now and at its peak (Linux: VmRSS and VmHWM of
+/// /proc/self/status; mapped file pages the process has touched count, as they do for the OS).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessResident {
+    pub now_bytes: u64,
+    pub peak_bytes: u64,
+}
+
+pub fn process_resident() -> Option<ProcessResident> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let field = |name: &str| -> Option<u64> {
+        let kib: u64 = status.lines().find(|l| l.starts_with(name))?.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kib * 1024)
+    };
+    Some(ProcessResident { now_bytes: field("VmRSS:")?, peak_bytes: field("VmHWM:")? })
+}
+
+/// Starts a new peak (VmHWM) from the current resident memory, so a later reading's peak
+/// belongs to what ran in between. False where the kernel does not allow it.
+pub fn reset_resident_peak() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GpuMemory {
     pub index: u32,

@@ -47,10 +47,14 @@ impl Dispatcher {
         // The ledger's capacity already leaves the reserve out; the budget names the reserve
         // (for reasons) and keeps it out of live free RAM too.
         let reserve = host.map(|h| self.inner.memory.host_reserve_bytes(h.total_bytes)).unwrap_or(0);
+        // The CPU worker's weights as it reports holding them (packed GGUF tensors stay packed),
+        // so the predicted budget is what requests can have beside the loaded model, not only
+        // what the OS sees free.
+        let cpu_weights = self.inner.supervisor.cpu_worker().and_then(|w| w.memory().borrow().as_ref().map(|r| r.weights_bytes)).unwrap_or(0);
         Budget {
             total_bytes: ledger.capacity_bytes() + reserve,
             reserve_bytes: reserve,
-            weights_bytes: 0,
+            weights_bytes: cpu_weights,
             held_bytes: ledger.held_bytes(),
             observed_free_bytes: host.map(|h| h.available_bytes),
         }
