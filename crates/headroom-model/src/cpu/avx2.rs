@@ -14,8 +14,10 @@ use super::dot::{scales_mins_k4, Kernels, Q8x256, Q8x32};
 
 pub const KERNELS: Kernels = Kernels {
     name: "avx2",
-    f32_rows: |w, rb, x, out| unsafe { by_rows(out.len(), |n| f32_rows(n, w, rb, x, out)) },
-    f16_rows: |w, rb, x, out| unsafe { by_rows(out.len(), |n| f16_rows(n, w, rb, x, out)) },
+    f32_rows: |w, rb, x, out| unsafe { by_rows(out.len(), |n| float(n, w, rb, [x], out, false)) },
+    f16_rows: |w, rb, x, out| unsafe { by_rows(out.len(), |n| float(n, w, rb, [x], out, true)) },
+    f32_pairs: |w, rb, x, out| unsafe { by_rows(out.len() / 2, |n| float(n, w, rb, x, out, false)) },
+    f16_pairs: |w, rb, x, out| unsafe { by_rows(out.len() / 2, |n| float(n, w, rb, x, out, true)) },
     q4_0: |w, rb, a, out| unsafe { by_rows(out.len(), |n| q4_0(n, w, rb, [a], out)) },
     q4_1: |w, rb, a, out| unsafe { by_rows(out.len(), |n| q4_1(n, w, rb, [a], out)) },
     q8_0: |w, rb, a, out| unsafe { by_rows(out.len(), |n| q8_0(n, w, rb, [a], out)) },
@@ -111,22 +113,19 @@ unsafe fn nibbles(p: *const u8) -> __m256i {
     _mm256_and_si256(both, _mm256_set1_epi8(0x0f))
 }
 
-unsafe fn f32_rows(n: Rows, w: &[u8], row_bytes: usize, x: &[f32], out: &mut [f32]) {
-    assert!(w.len() >= (out.len() - 1) * row_bytes + x.len() * 4);
-    rows!(n, float_rows(w.as_ptr(), row_bytes, x, out.as_mut_ptr(), false))
+unsafe fn float<const T: usize>(n: Rows, w: &[u8], row_bytes: usize, x: [&[f32]; T], out: &mut [f32], half: bool) {
+    check_tokens(w, row_bytes, &x, if half { 2 } else { 4 }, out);
+    rows!(n, float_rows::<T>(w.as_ptr(), row_bytes, x, out.as_mut_ptr(), half))
 }
 
-unsafe fn f16_rows(n: Rows, w: &[u8], row_bytes: usize, x: &[f32], out: &mut [f32]) {
-    assert!(w.len() >= (out.len() - 1) * row_bytes + x.len() * 2);
-    rows!(n, float_rows(w.as_ptr(), row_bytes, x, out.as_mut_ptr(), true))
-}
-
-/// `N` f32 or f16 rows times `x`, eight columns at a time.
+/// `N` f32 or f16 rows times `T` tokens into `out[t · N + r]`, eight columns at a time: each
+/// weight vector is loaded (and widened from f16) once for all `T` tokens, and every (row, token)
+/// sum takes the same steps whatever `N` and `T` are.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn float_rows<const N: usize>(w: *const u8, row_bytes: usize, x: &[f32], out: *mut f32, half: bool) {
-    let n = x.len();
-    let xp = x.as_ptr();
+unsafe fn float_rows<const N: usize, const T: usize>(w: *const u8, row_bytes: usize, x: [&[f32]; T], out: *mut f32, half: bool) {
+    let n = x[0].len();
+    let elem = if half { 2 } else { 4 };
     let load = |r: usize, i: usize| -> __m256 {
         if half {
             _mm256_cvtph_ps(_mm_loadu_si128(w.add(r * row_bytes + 2 * i) as *const __m128i))
@@ -134,35 +133,35 @@ unsafe fn float_rows<const N: usize>(w: *const u8, row_bytes: usize, x: &[f32], 
             _mm256_loadu_ps(w.add(r * row_bytes + 4 * i) as *const f32)
         }
     };
-    let mut acc = [[_mm256_setzero_ps(); 2]; N];
+    let mut acc = [[_mm256_setzero_ps(); T]; N];
     let mut i = 0;
-    while i + 16 <= n {
-        let (x0, x1) = (_mm256_loadu_ps(xp.add(i)), _mm256_loadu_ps(xp.add(i + 8)));
-        for (r, a) in acc.iter_mut().enumerate() {
-            a[0] = _mm256_fmadd_ps(load(r, i), x0, a[0]);
-            a[1] = _mm256_fmadd_ps(load(r, i + 8), x1, a[1]);
+    while i + 8 <= n {
+        if (i * elem) % 64 == 0 {
+            prefetch_next_rows::<N>(w, row_bytes, i * elem);
         }
-        i += 16;
-    }
-    if i + 8 <= n {
-        let x0 = _mm256_loadu_ps(xp.add(i));
+        let xs: [__m256; T] = std::array::from_fn(|t| _mm256_loadu_ps(x[t].as_ptr().add(i)));
         for (r, a) in acc.iter_mut().enumerate() {
-            a[0] = _mm256_fmadd_ps(load(r, i), x0, a[0]);
+            let v = load(r, i);
+            for t in 0..T {
+                a[t] = _mm256_fmadd_ps(v, xs[t], a[t]);
+            }
         }
         i += 8;
     }
     for (r, a) in acc.iter().enumerate() {
-        let mut sum = hsum(_mm256_add_ps(a[0], a[1]));
-        for j in i..n {
-            let v = if half {
-                let p = w.add(r * row_bytes + 2 * j);
-                half::f16::from_le_bytes([*p, *p.add(1)]).to_f32()
-            } else {
-                (w.add(r * row_bytes + 4 * j) as *const f32).read_unaligned()
-            };
-            sum += v * *xp.add(j);
+        for t in 0..T {
+            let mut sum = hsum(a[t]);
+            for j in i..n {
+                let v = if half {
+                    let p = w.add(r * row_bytes + 2 * j);
+                    half::f16::from_le_bytes([*p, *p.add(1)]).to_f32()
+                } else {
+                    (w.add(r * row_bytes + 4 * j) as *const f32).read_unaligned()
+                };
+                sum += v * *x[t].as_ptr().add(j);
+            }
+            *out.add(t * N + r) = sum;
         }
-        *out.add(r) = sum;
     }
 }
 
@@ -215,17 +214,14 @@ unsafe fn rows32<const N: usize, const T: usize>(
 }
 
 /// Checks that `T` tokens' activations of equal length and `out` (`T` × rows) fit the weights.
-fn check32<const T: usize>(w: &[u8], row_bytes: usize, a: &[&[Q8x32]; T], block_bytes: usize, out: &[f32]) {
+fn check_tokens<A, const T: usize>(w: &[u8], row_bytes: usize, a: &[&[A]; T], block_bytes: usize, out: &[f32]) {
     assert!(a.iter().all(|t| t.len() == a[0].len()), "tokens of different lengths");
-    check(w, row_bytes, a[0], block_bytes, &out[..out.len() / T]);
-}
-
-fn check<T>(w: &[u8], row_bytes: usize, a: &[T], block_bytes: usize, out: &[f32]) {
-    assert!(w.len() >= (out.len() - 1) * row_bytes + a.len() * block_bytes, "rows shorter than the activations");
+    let rows = out.len() / T;
+    assert!(w.len() >= (rows - 1) * row_bytes + a[0].len() * block_bytes, "rows shorter than the activations");
 }
 
 unsafe fn q4_0<const T: usize>(n: Rows, w: &[u8], row_bytes: usize, a: [&[Q8x32]; T], out: &mut [f32]) {
-    check32(w, row_bytes, &a, 18, out);
+    check_tokens(w, row_bytes, &a, 18, out);
     rows!(n, q4_0_rows::<T>(w.as_ptr(), row_bytes, a, out.as_mut_ptr()))
 }
 
@@ -236,7 +232,7 @@ unsafe fn q4_0_rows<const N: usize, const T: usize>(w: *const u8, row_bytes: usi
 }
 
 unsafe fn q4_1<const T: usize>(n: Rows, w: &[u8], row_bytes: usize, a: [&[Q8x32]; T], out: &mut [f32]) {
-    check32(w, row_bytes, &a, 20, out);
+    check_tokens(w, row_bytes, &a, 20, out);
     rows!(n, q4_1_rows::<T>(w.as_ptr(), row_bytes, a, out.as_mut_ptr()))
 }
 
@@ -246,7 +242,7 @@ unsafe fn q4_1_rows<const N: usize, const T: usize>(w: *const u8, row_bytes: usi
 }
 
 unsafe fn q8_0<const T: usize>(n: Rows, w: &[u8], row_bytes: usize, a: [&[Q8x32]; T], out: &mut [f32]) {
-    check32(w, row_bytes, &a, 34, out);
+    check_tokens(w, row_bytes, &a, 34, out);
     rows!(n, q8_0_rows::<T>(w.as_ptr(), row_bytes, a, out.as_mut_ptr()))
 }
 
@@ -340,7 +336,7 @@ unsafe fn k4_k5_block<const T: usize>(b: *const u8, a: [&Q8x256; T], qh: Option<
 }
 
 unsafe fn q4_k<const T: usize>(n: Rows, w: &[u8], row_bytes: usize, a: [&[Q8x256]; T], out: &mut [f32]) {
-    check256(w, row_bytes, &a, 144, out);
+    check_tokens(w, row_bytes, &a, 144, out);
     rows!(n, q4_k_rows::<T>(w.as_ptr(), row_bytes, a, out.as_mut_ptr()))
 }
 
@@ -350,7 +346,7 @@ unsafe fn q4_k_rows<const N: usize, const T: usize>(w: *const u8, row_bytes: usi
 }
 
 unsafe fn q5_k<const T: usize>(n: Rows, w: &[u8], row_bytes: usize, a: [&[Q8x256]; T], out: &mut [f32]) {
-    check256(w, row_bytes, &a, 176, out);
+    check_tokens(w, row_bytes, &a, 176, out);
     rows!(n, q5_k_rows::<T>(w.as_ptr(), row_bytes, a, out.as_mut_ptr()))
 }
 
@@ -360,7 +356,7 @@ unsafe fn q5_k_rows<const N: usize, const T: usize>(w: *const u8, row_bytes: usi
 }
 
 unsafe fn q6_k<const T: usize>(n: Rows, w: &[u8], row_bytes: usize, a: [&[Q8x256]; T], out: &mut [f32]) {
-    check256(w, row_bytes, &a, 210, out);
+    check_tokens(w, row_bytes, &a, 210, out);
     rows!(n, q6_k_rows::<T>(w.as_ptr(), row_bytes, a, out.as_mut_ptr()))
 }
 
@@ -396,10 +392,4 @@ unsafe fn q6_k_rows<const N: usize, const T: usize>(w: *const u8, row_bytes: usi
         }
         (sumi, f16_scale(b.add(208)), [0.0; T])
     })
-}
-
-/// Checks that `T` tokens' activations of equal length and `out` (`T` × rows) fit the weights.
-fn check256<const T: usize>(w: &[u8], row_bytes: usize, a: &[&[Q8x256]; T], block_bytes: usize, out: &[f32]) {
-    assert!(a.iter().all(|t| t.len() == a[0].len()), "tokens of different lengths");
-    check(w, row_bytes, a[0], block_bytes, &out[..out.len() / T]);
 }

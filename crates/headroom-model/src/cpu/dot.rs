@@ -205,6 +205,9 @@ pub mod scalar {
 
 /// `rows` weight rows (`row_bytes` apart, at most 4) times one f32 activation row, into `out`.
 pub type FloatRows = fn(w: &[u8], row_bytes: usize, x: &[f32], out: &mut [f32]);
+/// Rows of f32 or f16 weights times two activation rows (two tokens of a prefill), each weight
+/// loaded once for both; each (row, token) sum is computed exactly as [`FloatRows`] computes it.
+pub type FloatPairs = fn(w: &[u8], row_bytes: usize, x: [&[f32]; 2], out: &mut [f32]);
 /// The same for the 32-value block types.
 pub type Q32Rows = fn(w: &[u8], row_bytes: usize, a: &[Q8x32], out: &mut [f32]);
 /// The same for the K-quants.
@@ -222,6 +225,8 @@ pub struct Kernels {
     pub name: &'static str,
     pub f32_rows: FloatRows,
     pub f16_rows: FloatRows,
+    pub f32_pairs: FloatPairs,
+    pub f16_pairs: FloatPairs,
     pub q4_0: Q32Rows,
     pub q4_1: Q32Rows,
     pub q8_0: Q32Rows,
@@ -268,6 +273,8 @@ impl Kernels {
         name: "scalar",
         f32_rows: each_row!(scalar::f32_dot, 4),
         f16_rows: each_row!(scalar::f16_dot, 2),
+        f32_pairs: each_row_pair!(scalar::f32_dot, 4),
+        f16_pairs: each_row_pair!(scalar::f16_dot, 2),
         q4_0: each_row!(scalar::q4_0, 18),
         q4_1: each_row!(scalar::q4_1, 20),
         q8_0: each_row!(scalar::q8_0, 34),
@@ -281,6 +288,15 @@ impl Kernels {
         q5_k_pairs: each_row_pair!(scalar::q5_k, 176),
         q6_k_pairs: each_row_pair!(scalar::q6_k, 210),
     };
+
+    /// The one-token and two-token kernels of unquantized rows (F32, F16).
+    pub fn float_kernels(&self, ty: GgmlType) -> (FloatRows, FloatPairs) {
+        match ty {
+            GgmlType::F32 => (self.f32_rows, self.f32_pairs),
+            GgmlType::F16 => (self.f16_rows, self.f16_pairs),
+            other => unreachable!("{other} is not multiplied with f32 activations"),
+        }
+    }
 
     /// The one-token and two-token kernels of a 32-value block type (Q4_0, Q4_1, Q8_0).
     pub fn q8x32_kernels(&self, ty: GgmlType) -> (Q32Rows, Q32Pairs) {
@@ -434,14 +450,14 @@ mod tests {
                 });
                 k.q8x256_kernels(ty).1(w, row_bytes, [&a[0], &a[1]], out)
             }
-            ActivationKind::F32 => unreachable!("float rows take one token at a time"),
+            ActivationKind::F32 => k.float_kernels(ty).1(w, row_bytes, x, out),
         }
     }
 
     /// `out.len()` rows of `row_bytes` each, times `x`.
     fn rows_with(k: &Kernels, ty: GgmlType, w: &[u8], row_bytes: usize, x: &[f32], out: &mut [f32]) {
         match activation_kind(ty).unwrap() {
-            ActivationKind::F32 => (if ty == GgmlType::F32 { k.f32_rows } else { k.f16_rows })(w, row_bytes, x, out),
+            ActivationKind::F32 => k.float_kernels(ty).0(w, row_bytes, x, out),
             ActivationKind::Q8x32 => {
                 let mut a = vec![Q8x32::default(); x.len() / 32];
                 quantize_q8x32(x, &mut a);
@@ -575,6 +591,26 @@ mod tests {
             for (ty, w) in [(GgmlType::F32, &w32), (GgmlType::F16, &w16)] {
                 let (want, got) = (dot_with(&Kernels::SCALAR, ty, w, &x), dot_with(&simd, ty, w, &x));
                 assert!(close(got, want, cols as f32), "{ty} {cols} values: {got} vs {want}");
+            }
+        }
+        // Float rows: 1 to 4 rows and two tokens per call give what one row and one token give
+        // (bit for bit within a kernel set), lengths with and without a remainder.
+        for cols in [8, 13, 576] {
+            let x: [Vec<f32>; 2] = std::array::from_fn(|_| (0..cols).map(|_| rng.random_range(-1.0f32..1.0)).collect());
+            let w32: Vec<u8> = (0..4 * cols).flat_map(|_| rng.random_range(-1.0f32..1.0).to_le_bytes()).collect();
+            let w16: Vec<u8> = (0..4 * cols).flat_map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0)).to_le_bytes()).collect();
+            for (ty, w) in [(GgmlType::F32, &w32), (GgmlType::F16, &w16)] {
+                let row_bytes = w.len() / 4;
+                for k in [&Kernels::SCALAR, &simd] {
+                    for rows in 1..=4 {
+                        let mut both = vec![0f32; 2 * rows];
+                        pairs_with(k, ty, w, row_bytes, [&x[0], &x[1]], &mut both);
+                        for (t, x) in x.iter().enumerate() {
+                            let alone: Vec<f32> = (0..rows).map(|r| dot_with(k, ty, &w[r * row_bytes..(r + 1) * row_bytes], x)).collect();
+                            assert_eq!(&both[t * rows..(t + 1) * rows], &alone[..], "{} {ty} {cols} columns: token {t} of a pair, {rows} rows", k.name);
+                        }
+                    }
+                }
             }
         }
     }

@@ -2,6 +2,7 @@
 //! kernels of this module instead of burn's tensors.
 
 use half::f16;
+use super::dot::Kernels;
 use super::matrix::{multiply_all, Activations, Bytes, PackedMatrix, SharedPtr};
 use super::team::Team;
 use crate::config::LlamaConfig;
@@ -388,6 +389,46 @@ enum KvBuffer {
     F16(Vec<f16>),
 }
 
+impl KvBuffer {
+    /// `scores[j] = q · row (first + j)` for every `j` of `scores`, rows of `d` values, with the
+    /// weight kernels (the cache is a matrix of f32 or f16 rows).
+    fn dot_rows(&self, first: usize, d: usize, q: &[f32], scores: &mut [f32]) {
+        let (bytes, ty) = match self {
+            KvBuffer::F32(b) => (as_bytes(&b[first * d..(first + scores.len()) * d]), GgmlType::F32),
+            KvBuffer::F16(b) => (as_bytes(&b[first * d..(first + scores.len()) * d]), GgmlType::F16),
+        };
+        let row_bytes = bytes.len() / scores.len();
+        let rows = Kernels::detect().float_kernels(ty).0;
+        for (c, s) in scores.chunks_mut(4).enumerate() {
+            rows(&bytes[c * 4 * row_bytes..], row_bytes, q, s);
+        }
+    }
+
+    /// `out += Σ_j weights[j] · row (first + j)`, rows of `d` values.
+    fn add_weighted_rows(&self, first: usize, d: usize, weights: &[f32], out: &mut [f32]) {
+        let mut scratch = Vec::new();
+        for (j, &p) in weights.iter().enumerate() {
+            let at = (first + j) * d;
+            let row = match self {
+                KvBuffer::F32(b) => &b[at..at + d],
+                KvBuffer::F16(b) => {
+                    use half::slice::HalfFloatSliceExt;
+                    scratch.resize(d, 0.0);
+                    b[at..at + d].convert_to_f32_slice(&mut scratch);
+                    &scratch[..]
+                }
+            };
+            out.iter_mut().zip(row).for_each(|(o, v)| *o += p * v);
+        }
+    }
+}
+
+/// The bytes of a slice of plain numbers (f32, f16).
+fn as_bytes<T: Copy>(values: &[T]) -> &[u8] {
+    // SAFETY: f32 and f16 have no padding and every byte pattern is a valid u8.
+    unsafe { std::slice::from_raw_parts(values.as_ptr() as *const u8, std::mem::size_of_val(values)) }
+}
+
 /// Keys and values of every layer, `[kv_heads, capacity, head_dim]` each, allocated once for the
 /// request (prompt + max_tokens) so a running generation never grows its memory.
 pub struct CpuCache {
@@ -433,23 +474,17 @@ impl CpuCache {
             let seen = start + t + 1;
             let qh = &q[(t * nh + head) * d..(t * nh + head + 1) * d];
             let mut scores = vec![0f32; seen];
-            let mut row = vec![0f32; d];
-            for (j, s) in scores.iter_mut().enumerate() {
-                let k = read_row(keys, (g * capacity + j) * d, d, &mut row);
-                *s = qh.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale;
-            }
+            keys.dot_rows(g * capacity, d, qh, &mut scores);
             let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
             let mut total = 0f32;
             for s in scores.iter_mut() {
-                *s = (*s - max).exp();
+                *s = ((*s - max) * scale).exp();
                 total += *s;
             }
+            let inv = 1.0 / total;
+            scores.iter_mut().for_each(|s| *s *= inv);
             out.fill(0.0);
-            for (j, &p) in scores.iter().enumerate() {
-                let v = read_row(values, (g * capacity + j) * d, d, &mut row);
-                let p = p / total;
-                out.iter_mut().zip(v).for_each(|(o, v)| *o += p * v);
-            }
+            values.add_weighted_rows(g * capacity, d, &scores, out);
         };
         // Heads of a short context are too little work to hand out.
         let work = n * nh * (start + n) * d;
@@ -463,18 +498,6 @@ impl CpuCache {
     }
 }
 
-/// `d` values of a KV buffer at `at`, converted into `scratch` when stored as f16.
-fn read_row<'a>(buffer: &'a KvBuffer, at: usize, d: usize, scratch: &'a mut [f32]) -> &'a [f32] {
-    match buffer {
-        KvBuffer::F32(b) => &b[at..at + d],
-        KvBuffer::F16(b) => {
-            for (o, v) in scratch.iter_mut().zip(&b[at..at + d]) {
-                *o = v.to_f32();
-            }
-            scratch
-        }
-    }
-}
 
 impl GgufFile {
     /// A tensor's bytes as a range of the shared mapping (no copy).

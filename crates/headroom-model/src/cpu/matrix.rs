@@ -96,23 +96,16 @@ impl PackedMatrix {
         let rb = self.row_bytes;
         let rows = move |r: usize, n: usize| &self.data[r * rb..(r + n) * rb];
         match activation_kind(self.ty).expect("checked at construction") {
-            ActivationKind::F32 => {
-                let f = if self.ty == GgmlType::F32 { kernels.f32_rows } else { kernels.f16_rows };
-                Box::new(move |r, t, tokens, out| {
-                    let n = out.len() / tokens;
-                    for (k, out) in out.chunks_exact_mut(n).enumerate() {
-                        f(rows(r, n), rb, x.row_f32(t + k), out)
-                    }
-                })
-            }
+            ActivationKind::F32 => block_dot(rows, rb, x.values, self.cols, kernels.float_kernels(self.ty)),
             ActivationKind::Q8x32 => block_dot(rows, rb, x.q8x32(team), self.cols / 32, kernels.q8x32_kernels(self.ty)),
             ActivationKind::Q8x256 => block_dot(rows, rb, x.q8x256(team), self.cols / 256, kernels.q8x256_kernels(self.ty)),
         }
     }
 }
 
-/// [`PackedMatrix::rows_dot`] for a type multiplied with quantized activation blocks `A` (`per`
-/// of them per token): two tokens go to the kernel that unpacks each weight block once for both.
+/// [`PackedMatrix::rows_dot`] for a type multiplied with activations `A` (`per` of them per
+/// token: quantized blocks, or f32 values for unquantized rows): two tokens go to the kernel that
+/// reads each weight once for both.
 #[allow(clippy::type_complexity)]
 fn block_dot<'s, A: Sync>(
     rows: impl Fn(usize, usize) -> &'s [u8] + Sync + 's,
