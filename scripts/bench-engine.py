@@ -168,18 +168,18 @@ def random_1b_files():
 
 
 def unquantized_files():
-    """The default model's weights unquantized, as F32 and F16 GGUF files (llama.cpp's quantizer
-    expands the Q4_1 file; both engines then read the same unquantized weights)."""
+    """The default model's weights unquantized, as F32, F16 and BF16 GGUF files (llama.cpp's
+    quantizer expands the Q4_1 file; both engines then read the same unquantized weights)."""
     import llama_cpp
 
     CACHE.mkdir(parents=True, exist_ok=True)
-    files = {"F32": CACHE / "SmolLM2-135M-Instruct.F32.gguf", "F16": CACHE / "SmolLM2-135M-Instruct.F16.gguf"}
+    files = {name: CACHE / f"SmolLM2-135M-Instruct.{name}.gguf" for name in ("F32", "F16", "BF16")}
     for name, target in files.items():
         if target.exists():
             continue
         print(f"expanding the default model to {target.name} with llama.cpp …", file=sys.stderr)
         params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = {"F32": llama_cpp.LLAMA_FTYPE_ALL_F32, "F16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16}[name]
+        params.ftype = {"F32": llama_cpp.LLAMA_FTYPE_ALL_F32, "F16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16, "BF16": llama_cpp.LLAMA_FTYPE_MOSTLY_BF16}[name]
         params.allow_requantize = True
         params.nthread = os.cpu_count() or 2
         assert llama_cpp.llama_model_quantize(str(DEFAULT_MODEL).encode(), str(target).encode(), params) == 0
@@ -194,7 +194,7 @@ def main():
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--no-1b", action="store_true", help="skip the random ~1B models")
-    parser.add_argument("--unquantized", action="store_true", help="also the default model expanded to F32 and F16")
+    parser.add_argument("--unquantized", action="store_true", help="also the default model expanded to F32, F16 and BF16")
     parser.add_argument("--out", type=Path, default=ROOT / "target" / "bench-engine.json")
     args = parser.parse_args()
     files = args.files or [DEFAULT_MODEL] + ([] if args.no_1b else random_1b_files())

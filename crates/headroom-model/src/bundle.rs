@@ -228,7 +228,7 @@ impl ModelBundle {
     }
 
     /// Loads the weights for the CPU engine: a GGUF file's packed tensors stay memory-mapped;
-    /// a folder's weights are read as f32.
+    /// a folder's f16/bf16 matrices stay 16-bit, the rest is read as f32.
     pub fn load_cpu(&self, on_layer: impl FnMut(usize, usize)) -> Result<crate::cpu::CpuModel> {
         if self.format.container == "gguf" {
             let file = GgufFile::open(&self.path)?;
@@ -241,7 +241,7 @@ impl ModelBundle {
     fn with_cpu_weight_bytes(mut self, file: Option<&GgufFile>) -> Self {
         self.cpu_weight_bytes = match file {
             Some(file) => crate::cpu::engine::gguf_weight_bytes(file),
-            None => self.config.parameter_count() as u64 * 4,
+            None => WeightFiles::open(&self.path).and_then(|f| f.cpu_bytes()).unwrap_or(self.config.parameter_count() as u64 * 4),
         };
         self
     }

@@ -262,6 +262,8 @@ pub fn write_gguf_from_folder(dir: &Path, out: &Path, weight_type: crate::quants
         }
         let (ty, bytes) = match (weight_type, shape.len()) {
             (GgmlType::Q8_0, 2) => (GgmlType::Q8_0, crate::quants::quantize_q8_0(&values)),
+            (GgmlType::F16, 2) => (GgmlType::F16, values.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect()),
+            (GgmlType::BF16, 2) => (GgmlType::BF16, values.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect()),
             _ => (GgmlType::F32, values.iter().flat_map(|v| v.to_le_bytes()).collect()),
         };
         tensors.push((gguf, shape, ty, bytes));

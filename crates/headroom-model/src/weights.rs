@@ -76,6 +76,36 @@ impl WeightFiles {
     pub fn contains(&self, name: &str) -> bool {
         self.index.contains_key(name)
     }
+
+    /// Bytes the CPU engine holds for these tensors: f16/bf16 matrices in their 16 bits (see
+    /// [`TensorSource::read_half`]), everything else as f32.
+    pub fn cpu_bytes(&self) -> Result<u64> {
+        let mut total = 0u64;
+        for (path, map) in &self.maps {
+            let tensors = SafeTensors::deserialize(map).map_err(|e| Error::Weights(format!("{}: {e}", path.display())))?;
+            for (_, view) in tensors.tensors() {
+                let elements: usize = view.shape().iter().product();
+                let half = view.shape().len() == 2 && matches!(view.dtype(), Dtype::F16 | Dtype::BF16);
+                total += (elements * if half { 2 } else { 4 }) as u64;
+            }
+        }
+        Ok(total)
+    }
+
+    /// Runs `read` on tensor `name`'s view.
+    fn view<R>(&self, name: &str, read: impl FnOnce(safetensors::tensor::TensorView<'_>) -> Result<R>) -> Result<R> {
+        let &file = self
+            .index
+            .get(name)
+            .ok_or_else(|| Error::Weights(format!("tensor `{name}` is missing from the weights")))?;
+        let (path, map) = &self.maps[file];
+        let tensors = SafeTensors::deserialize(map)
+            .map_err(|e| Error::Weights(format!("{}: {e}", path.display())))?;
+        let view = tensors
+            .tensor(name)
+            .map_err(|e| Error::Weights(format!("{name} in {}: {e}", path.display())))?;
+        read(view)
+    }
 }
 
 /// Where a model's tensors come from, under Hugging Face names and `[out, in]` layouts:
@@ -83,6 +113,13 @@ impl WeightFiles {
 pub trait TensorSource {
     /// Reads a tensor as f32 with its shape.
     fn read_f32(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)>;
+
+    /// A tensor's bytes as stored, with its type and shape, where it is stored as 16-bit floats
+    /// (f16, bf16), which the CPU engine multiplies without widening them first; `None` for
+    /// other types (read them with [`TensorSource::read_f32`]).
+    fn read_half(&self, _name: &str) -> Result<Option<(crate::quants::GgmlType, Vec<u8>, Vec<usize>)>> {
+        Ok(None)
+    }
 
     /// Reads a tensor and checks its shape.
     fn read_shaped(&self, name: &str, expected: &[usize]) -> Result<Vec<f32>> {
@@ -98,39 +135,43 @@ pub trait TensorSource {
 }
 
 impl TensorSource for WeightFiles {
+    fn read_half(&self, name: &str) -> Result<Option<(crate::quants::GgmlType, Vec<u8>, Vec<usize>)>> {
+        use crate::quants::GgmlType;
+        self.view(name, |view| {
+            let ty = match view.dtype() {
+                Dtype::F16 => GgmlType::F16,
+                Dtype::BF16 => GgmlType::BF16,
+                _ => return Ok(None),
+            };
+            Ok(Some((ty, view.data().to_vec(), view.shape().to_vec())))
+        })
+    }
+
     fn read_f32(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>)> {
-        let &file = self
-            .index
-            .get(name)
-            .ok_or_else(|| Error::Weights(format!("tensor `{name}` is missing from the weights")))?;
-        let (path, map) = &self.maps[file];
-        let tensors = SafeTensors::deserialize(map)
-            .map_err(|e| Error::Weights(format!("{}: {e}", path.display())))?;
-        let view = tensors
-            .tensor(name)
-            .map_err(|e| Error::Weights(format!("{name} in {}: {e}", path.display())))?;
-        let bytes = view.data();
-        let values: Vec<f32> = match view.dtype() {
-            Dtype::F32 => bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            Dtype::F16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            Dtype::BF16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            other => {
-                return Err(Error::Weights(format!(
-                    "tensor `{name}` has dtype {other:?}; only f32, f16 and bf16 are supported \
-                     (quantized checkpoints are not)"
-                )))
-            }
-        };
-        Ok((values, view.shape().to_vec()))
+        self.view(name, |view| {
+            let bytes = view.data();
+            let values: Vec<f32> = match view.dtype() {
+                Dtype::F32 => bytes
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
+                Dtype::F16 => bytes
+                    .chunks_exact(2)
+                    .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                    .collect(),
+                Dtype::BF16 => bytes
+                    .chunks_exact(2)
+                    .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                    .collect(),
+                other => {
+                    return Err(Error::Weights(format!(
+                        "tensor `{name}` has dtype {other:?}; only f32, f16 and bf16 are supported \
+                         (quantized checkpoints are not)"
+                    )))
+                }
+            };
+            Ok((values, view.shape().to_vec()))
+        })
     }
 }
 

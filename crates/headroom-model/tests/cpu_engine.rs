@@ -72,6 +72,45 @@ fn a_permuted_f32_gguf_computes_what_its_folder_computes() {
     assert!(worst < 1e-4, "logits differ by {worst} of the largest");
 }
 
+/// F16 and BF16 files stay in their 16-bit rows (the engine holds the file's bytes) and compute
+/// what burn computes on the same file widened to f32.
+#[test]
+fn half_precision_files_stay_16_bit_and_compute_what_the_file_says() {
+    for ty in [GgmlType::F16, GgmlType::BF16] {
+        let dir = tempfile::tempdir().unwrap();
+        let folder = dir.path().join("folder");
+        write_random_folder(&folder, &tiny_config(), 5, StoreDtype::F32).unwrap();
+        let path = dir.path().join(format!("{ty}.gguf"));
+        write_gguf_from_folder(&folder, &path, ty).unwrap();
+        let bundle = ModelBundle::open(&path).unwrap();
+        let reference = run(&burn_model(&bundle), &bundle.config, PROMPT, DECODE);
+        let cpu = bundle.load_cpu(|_, _| {}).unwrap();
+        let worst = worst_relative(&run(&cpu, &bundle.config, PROMPT, DECODE), &reference);
+        assert!(worst < 1e-4, "{ty}: logits differ by {worst} of the largest");
+        let file = headroom_model::gguf::GgufFile::open(&bundle.path).unwrap();
+        let tensor_bytes: usize = file.tensors.values().map(|t| t.bytes).sum();
+        assert_eq!(cpu.weight_bytes(), tensor_bytes, "{ty}: the engine holds other bytes than the file's");
+        assert_eq!(bundle.cpu_weight_bytes, tensor_bytes as u64, "{ty}: admission counts other bytes than the engine holds");
+    }
+}
+
+/// A folder of f16 or bf16 safetensors keeps its matrices 16-bit (half the bytes of f32, which
+/// admission counts) and computes what burn computes on the same weights widened to f32.
+#[test]
+fn half_precision_folders_stay_16_bit_and_compute_what_burn_computes() {
+    for dtype in [StoreDtype::F16, StoreDtype::BF16] {
+        let dir = tempfile::tempdir().unwrap();
+        write_random_folder(dir.path(), &tiny_config(), 5, dtype).unwrap();
+        let bundle = ModelBundle::open(dir.path()).unwrap();
+        let reference = run(&burn_model(&bundle), &bundle.config, PROMPT, DECODE);
+        let cpu = bundle.load_cpu(|_, _| {}).unwrap();
+        let worst = worst_relative(&run(&cpu, &bundle.config, PROMPT, DECODE), &reference);
+        assert!(worst < 1e-4, "{dtype:?}: logits differ by {worst} of the largest");
+        assert_eq!(cpu.weight_bytes() as u64, bundle.cpu_weight_bytes, "{dtype:?}: admission counts other bytes than the engine holds");
+        assert!(bundle.cpu_weight_bytes < bundle.config.parameter_count() as u64 * 3, "{dtype:?}: matrices were widened to f32");
+    }
+}
+
 /// Hidden sizes that are whole K-quant super-blocks (256).
 fn packed_config() -> LlamaConfig {
     LlamaConfig { hidden_size: 256, intermediate_size: 512, num_attention_heads: 4, num_key_value_heads: Some(2), ..tiny_config() }

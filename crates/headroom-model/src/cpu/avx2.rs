@@ -14,10 +14,12 @@ use super::dot::{scales_mins_k4, Kernels, Q8x256, Q8x32};
 
 pub const KERNELS: Kernels = Kernels {
     name: "avx2",
-    f32_rows: |w, rb, x, out| unsafe { by_rows(out.len(), |n| float(n, w, rb, [x], out, false)) },
-    f16_rows: |w, rb, x, out| unsafe { by_rows(out.len(), |n| float(n, w, rb, [x], out, true)) },
-    f32_pairs: |w, rb, x, out| unsafe { by_rows(out.len() / 2, |n| float(n, w, rb, x, out, false)) },
-    f16_pairs: |w, rb, x, out| unsafe { by_rows(out.len() / 2, |n| float(n, w, rb, x, out, true)) },
+    f32_rows: |w, rb, x, out| unsafe { by_rows(out.len(), |n| float(n, w, rb, [x], out, Float::F32)) },
+    f16_rows: |w, rb, x, out| unsafe { by_rows(out.len(), |n| float(n, w, rb, [x], out, Float::F16)) },
+    bf16_rows: |w, rb, x, out| unsafe { by_rows(out.len(), |n| float(n, w, rb, [x], out, Float::BF16)) },
+    f32_pairs: |w, rb, x, out| unsafe { by_rows(out.len() / 2, |n| float(n, w, rb, x, out, Float::F32)) },
+    f16_pairs: |w, rb, x, out| unsafe { by_rows(out.len() / 2, |n| float(n, w, rb, x, out, Float::F16)) },
+    bf16_pairs: |w, rb, x, out| unsafe { by_rows(out.len() / 2, |n| float(n, w, rb, x, out, Float::BF16)) },
     q4_0: |w, rb, a, out| unsafe { by_rows(out.len(), |n| q4_0(n, w, rb, [a], out)) },
     q4_1: |w, rb, a, out| unsafe { by_rows(out.len(), |n| q4_1(n, w, rb, [a], out)) },
     q8_0: |w, rb, a, out| unsafe { by_rows(out.len(), |n| q8_0(n, w, rb, [a], out)) },
@@ -113,9 +115,27 @@ unsafe fn nibbles(p: *const u8) -> __m256i {
     _mm256_and_si256(both, _mm256_set1_epi8(0x0f))
 }
 
-unsafe fn float<const T: usize>(n: Rows, w: &[u8], row_bytes: usize, x: [&[f32]; T], out: &mut [f32], half: bool) {
-    check_tokens(w, row_bytes, &x, if half { 2 } else { 4 }, out);
-    rows!(n, float_rows::<T>(w.as_ptr(), row_bytes, x, out.as_mut_ptr(), half))
+/// How unquantized weights are stored.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Float {
+    F32,
+    F16,
+    BF16,
+}
+
+impl Float {
+    fn bytes(self) -> usize {
+        if self == Float::F32 {
+            4
+        } else {
+            2
+        }
+    }
+}
+
+unsafe fn float<const T: usize>(n: Rows, w: &[u8], row_bytes: usize, x: [&[f32]; T], out: &mut [f32], ty: Float) {
+    check_tokens(w, row_bytes, &x, ty.bytes(), out);
+    rows!(n, float_rows::<T>(w.as_ptr(), row_bytes, x, out.as_mut_ptr(), ty))
 }
 
 /// `N` f32 or f16 rows times `T` tokens into `out[t · N + r]`, eight columns at a time: each
@@ -123,14 +143,15 @@ unsafe fn float<const T: usize>(n: Rows, w: &[u8], row_bytes: usize, x: [&[f32];
 /// sum takes the same steps whatever `N` and `T` are.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn float_rows<const N: usize, const T: usize>(w: *const u8, row_bytes: usize, x: [&[f32]; T], out: *mut f32, half: bool) {
+unsafe fn float_rows<const N: usize, const T: usize>(w: *const u8, row_bytes: usize, x: [&[f32]; T], out: *mut f32, ty: Float) {
     let n = x[0].len();
-    let elem = if half { 2 } else { 4 };
+    let elem = ty.bytes();
     let load = |r: usize, i: usize| -> __m256 {
-        if half {
-            _mm256_cvtph_ps(_mm_loadu_si128(w.add(r * row_bytes + 2 * i) as *const __m128i))
-        } else {
-            _mm256_loadu_ps(w.add(r * row_bytes + 4 * i) as *const f32)
+        let p = w.add(r * row_bytes + elem * i);
+        match ty {
+            Float::F32 => _mm256_loadu_ps(p as *const f32),
+            Float::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
+            Float::BF16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)))),
         }
     };
     let mut acc = [[_mm256_setzero_ps(); T]; N];
@@ -152,11 +173,11 @@ unsafe fn float_rows<const N: usize, const T: usize>(w: *const u8, row_bytes: us
         for t in 0..T {
             let mut sum = hsum(a[t]);
             for j in i..n {
-                let v = if half {
-                    let p = w.add(r * row_bytes + 2 * j);
-                    half::f16::from_le_bytes([*p, *p.add(1)]).to_f32()
-                } else {
-                    (w.add(r * row_bytes + 4 * j) as *const f32).read_unaligned()
+                let p = w.add(r * row_bytes + elem * j);
+                let v = match ty {
+                    Float::F32 => (p as *const f32).read_unaligned(),
+                    Float::F16 => half::f16::from_le_bytes([*p, *p.add(1)]).to_f32(),
+                    Float::BF16 => f32::from_bits((u16::from_le_bytes([*p, *p.add(1)]) as u32) << 16),
                 };
                 sum += v * *x[t].as_ptr().add(j);
             }

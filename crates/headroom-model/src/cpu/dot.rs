@@ -103,6 +103,11 @@ pub mod scalar {
         w.chunks_exact(2).zip(x).map(|(b, x)| f16::from_le_bytes([b[0], b[1]]).to_f32() * x).sum()
     }
 
+    /// bf16 is the top half of an f32: widening is a 16-bit shift.
+    pub fn bf16_dot(w: &[u8], x: &[f32]) -> f32 {
+        w.chunks_exact(2).zip(x).map(|(b, x)| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16) * x).sum()
+    }
+
     pub fn q4_0(w: &[u8], a: &[Q8x32]) -> f32 {
         let mut sum = 0f32;
         for (b, a) in w.chunks_exact(18).zip(a) {
@@ -225,8 +230,10 @@ pub struct Kernels {
     pub name: &'static str,
     pub f32_rows: FloatRows,
     pub f16_rows: FloatRows,
+    pub bf16_rows: FloatRows,
     pub f32_pairs: FloatPairs,
     pub f16_pairs: FloatPairs,
+    pub bf16_pairs: FloatPairs,
     pub q4_0: Q32Rows,
     pub q4_1: Q32Rows,
     pub q8_0: Q32Rows,
@@ -273,8 +280,10 @@ impl Kernels {
         name: "scalar",
         f32_rows: each_row!(scalar::f32_dot, 4),
         f16_rows: each_row!(scalar::f16_dot, 2),
+        bf16_rows: each_row!(scalar::bf16_dot, 2),
         f32_pairs: each_row_pair!(scalar::f32_dot, 4),
         f16_pairs: each_row_pair!(scalar::f16_dot, 2),
+        bf16_pairs: each_row_pair!(scalar::bf16_dot, 2),
         q4_0: each_row!(scalar::q4_0, 18),
         q4_1: each_row!(scalar::q4_1, 20),
         q8_0: each_row!(scalar::q8_0, 34),
@@ -289,11 +298,12 @@ impl Kernels {
         q6_k_pairs: each_row_pair!(scalar::q6_k, 210),
     };
 
-    /// The one-token and two-token kernels of unquantized rows (F32, F16).
+    /// The one-token and two-token kernels of unquantized rows (F32, F16, BF16).
     pub fn float_kernels(&self, ty: GgmlType) -> (FloatRows, FloatPairs) {
         match ty {
             GgmlType::F32 => (self.f32_rows, self.f32_pairs),
             GgmlType::F16 => (self.f16_rows, self.f16_pairs),
+            GgmlType::BF16 => (self.bf16_rows, self.bf16_pairs),
             other => unreachable!("{other} is not multiplied with f32 activations"),
         }
     }
@@ -353,7 +363,7 @@ pub enum ActivationKind {
 /// Whether the CPU engine keeps `ty` packed, and what its activations are.
 pub fn activation_kind(ty: GgmlType) -> Option<ActivationKind> {
     match ty {
-        GgmlType::F32 | GgmlType::F16 => Some(ActivationKind::F32),
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => Some(ActivationKind::F32),
         GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => Some(ActivationKind::Q8x32),
         GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => Some(ActivationKind::Q8x256),
         _ => None,
@@ -588,7 +598,8 @@ mod tests {
             let x: Vec<f32> = (0..cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
             let w32: Vec<u8> = (0..cols).flat_map(|_| rng.random_range(-1.0f32..1.0).to_le_bytes()).collect();
             let w16: Vec<u8> = (0..cols).flat_map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0)).to_le_bytes()).collect();
-            for (ty, w) in [(GgmlType::F32, &w32), (GgmlType::F16, &w16)] {
+            let wb16: Vec<u8> = (0..cols).flat_map(|_| half::bf16::from_f32(rng.random_range(-1.0f32..1.0)).to_le_bytes()).collect();
+            for (ty, w) in [(GgmlType::F32, &w32), (GgmlType::F16, &w16), (GgmlType::BF16, &wb16)] {
                 let (want, got) = (dot_with(&Kernels::SCALAR, ty, w, &x), dot_with(&simd, ty, w, &x));
                 assert!(close(got, want, cols as f32), "{ty} {cols} values: {got} vs {want}");
             }
@@ -599,7 +610,8 @@ mod tests {
             let x: [Vec<f32>; 2] = std::array::from_fn(|_| (0..cols).map(|_| rng.random_range(-1.0f32..1.0)).collect());
             let w32: Vec<u8> = (0..4 * cols).flat_map(|_| rng.random_range(-1.0f32..1.0).to_le_bytes()).collect();
             let w16: Vec<u8> = (0..4 * cols).flat_map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0)).to_le_bytes()).collect();
-            for (ty, w) in [(GgmlType::F32, &w32), (GgmlType::F16, &w16)] {
+            let wb16: Vec<u8> = (0..4 * cols).flat_map(|_| half::bf16::from_f32(rng.random_range(-1.0f32..1.0)).to_le_bytes()).collect();
+            for (ty, w) in [(GgmlType::F32, &w32), (GgmlType::F16, &w16), (GgmlType::BF16, &wb16)] {
                 let row_bytes = w.len() / 4;
                 for k in [&Kernels::SCALAR, &simd] {
                     for rows in 1..=4 {

@@ -126,11 +126,11 @@ impl WeightReader for GgufReader<'_> {
         if crate::test_defect("unpack-weights") {
             return Ok(PackedMatrix::from_f32(&self.file.read_f32(&name)?.0, rows, cols));
         }
-        // Q5_0, Q5_1, Q2_K, Q3_K and BF16 are multiplied as Q8_0 (more bits than the file has,
-        // so nothing is lost beyond Q8_0's rounding), or as f32 where rows are not whole blocks.
+        // Q5_0, Q5_1, Q2_K and Q3_K are multiplied as Q8_0 (more bits than the file has, so
+        // nothing is lost beyond Q8_0's rounding), or as f32 where rows are not whole blocks.
         let (values, _) = self.file.read_f32(&name)?;
         let _ = self.config;
-        Ok(if cols % 32 == 0 && info.ggml_type != GgmlType::BF16 {
+        Ok(if cols % 32 == 0 {
             PackedMatrix::q8_0_from_f32(&values, rows, cols)
         } else {
             PackedMatrix::from_f32(&values, rows, cols)
@@ -154,9 +154,11 @@ pub fn gguf_weight_bytes(file: &GgufFile) -> u64 {
         .values()
         .map(|info| {
             let cols = *info.shape.last().unwrap_or(&0);
-            if super::dot::activation_kind(info.ggml_type).is_some() {
+            if info.shape.len() != 2 {
+                info.elements() * 4
+            } else if super::dot::activation_kind(info.ggml_type).is_some() {
                 info.bytes
-            } else if info.shape.len() == 2 && cols % 32 == 0 && info.ggml_type != GgmlType::BF16 {
+            } else if cols % 32 == 0 {
                 info.elements() / 32 * GgmlType::Q8_0.block_bytes()
             } else {
                 info.elements() * 4
@@ -165,11 +167,17 @@ pub fn gguf_weight_bytes(file: &GgufFile) -> u64 {
         .sum::<usize>() as u64
 }
 
-/// A Hugging Face folder (safetensors): weights as f32 in `[out, in]` rows.
+/// A Hugging Face folder (safetensors): weights in `[out, in]` rows, f16 and bf16 as stored
+/// (half the bytes of f32 to hold and to read per token), f32 as f32.
 struct FolderReader<'a>(&'a dyn TensorSource);
 
 impl WeightReader for FolderReader<'_> {
     fn matrix(&self, hf_name: &str, rows: usize, cols: usize) -> Result<PackedMatrix> {
+        if let Some((ty, bytes, shape)) = self.0.read_half(hf_name)? {
+            if shape == [rows, cols] {
+                return PackedMatrix::new(ty, rows, cols, Bytes::Owned(bytes)).map_err(|e| Error::Weights(format!("tensor `{hf_name}`: {e}")));
+            }
+        }
         Ok(PackedMatrix::from_f32(&self.0.read_shaped(hf_name, &[rows, cols])?, rows, cols))
     }
     fn vector(&self, hf_name: &str, len: usize) -> Result<Vec<f32>> {
