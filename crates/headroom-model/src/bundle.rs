@@ -92,7 +92,7 @@ pub struct ModelBundle {
     /// Size of the weight files on disk.
     pub weight_file_bytes: u64,
     /// Bytes of weights the CPU engine holds ([`crate::cpu::CpuModel::weight_bytes`]): the
-    /// file's packed tensors, or f32 for a folder.
+    /// file's packed tensors, or a folder's f16/bf16 matrices as stored and the rest as f32.
     pub cpu_weight_bytes: u64,
 }
 
@@ -176,9 +176,9 @@ impl ModelBundle {
         eos_ids.sort_unstable();
         eos_ids.dedup();
 
-        // Parse every weight header now so a corrupt file fails at open, not mid-load.
-        let weights = WeightFiles::open(&dir)?;
-        drop(weights);
+        // Parse every weight header now so a corrupt file fails at open, not mid-load; the
+        // headers also say what the CPU engine will hold.
+        let cpu_weight_bytes = WeightFiles::open(&dir)?.cpu_bytes()?;
 
         let mut hasher = Sha256::new();
         let mut weight_file_bytes = 0;
@@ -207,9 +207,8 @@ impl ModelBundle {
             bos_token: special("bos_token"),
             hash,
             weight_file_bytes,
-            cpu_weight_bytes: 0,
-        }
-        .with_cpu_weight_bytes(None))
+            cpu_weight_bytes,
+        })
     }
 
     /// Loads the weights onto `device`. `on_layer(done, total)` reports progress.
@@ -238,14 +237,6 @@ impl ModelBundle {
         crate::cpu::CpuModel::from_tensors(&files, &self.config, on_layer)
     }
 
-    fn with_cpu_weight_bytes(mut self, file: Option<&GgufFile>) -> Self {
-        self.cpu_weight_bytes = match file {
-            Some(file) => crate::cpu::engine::gguf_weight_bytes(file),
-            None => WeightFiles::open(&self.path).and_then(|f| f.cpu_bytes()).unwrap_or(self.config.parameter_count() as u64 * 4),
-        };
-        self
-    }
-
     fn open_gguf(path: PathBuf) -> Result<Self> {
         let file = GgufFile::open(&path)?;
         let config = crate::gguf_model::config(&file)?;
@@ -263,10 +254,9 @@ impl ModelBundle {
             bos_token: tokens.bos_token,
             hash: hex::encode(hasher.finalize()),
             weight_file_bytes,
-            cpu_weight_bytes: 0,
+            cpu_weight_bytes: crate::cpu::engine::gguf_weight_bytes(&file),
             path,
-        }
-        .with_cpu_weight_bytes(Some(&file)))
+        })
     }
 
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {

@@ -177,7 +177,7 @@ unsafe fn float_rows<const N: usize, const T: usize>(w: *const u8, row_bytes: us
                 let v = match ty {
                     Float::F32 => (p as *const f32).read_unaligned(),
                     Float::F16 => half::f16::from_le_bytes([*p, *p.add(1)]).to_f32(),
-                    Float::BF16 => f32::from_bits((u16::from_le_bytes([*p, *p.add(1)]) as u32) << 16),
+                    Float::BF16 => half::bf16::from_le_bytes([*p, *p.add(1)]).to_f32(),
                 };
                 sum += v * *x[t].as_ptr().add(j);
             }

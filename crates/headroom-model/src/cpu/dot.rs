@@ -141,9 +141,8 @@ pub mod scalar {
         w.chunks_exact(2).zip(x).map(|(b, x)| f16::from_le_bytes([b[0], b[1]]).to_f32() * x).sum()
     }
 
-    /// bf16 is the top half of an f32: widening is a 16-bit shift.
     pub fn bf16_dot(w: &[u8], x: &[f32]) -> f32 {
-        w.chunks_exact(2).zip(x).map(|(b, x)| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16) * x).sum()
+        w.chunks_exact(2).zip(x).map(|(b, x)| half::bf16::from_le_bytes([b[0], b[1]]).to_f32() * x).sum()
     }
 
     pub fn q4_0(w: &[u8], a: &[Q8x32]) -> f32 {
@@ -632,21 +631,14 @@ mod tests {
                 }
             }
         }
-        // Two tokens per call give each token exactly what one token per call gives.
+        // Two tokens and 1 to 4 rows per call give each (row, token) exactly what one row and one
+        // token per call give.
         for &(ty, scales) in TYPES {
             let (cols, row_bytes) = (3 * ty.block_elements(), 3 * ty.block_bytes());
             let w = blocks(ty, scales, 4 * 3, Blocks::Random, &mut rng);
-            let (x0, x1) = (activations(cols, &mut rng), activations(cols, &mut rng));
+            let x = [activations(cols, &mut rng), activations(cols, &mut rng)];
             for k in [&Kernels::SCALAR, &simd] {
-                for rows in 1..=4 {
-                    let mut both = vec![0f32; 2 * rows];
-                    pairs_with(k, ty, &w, row_bytes, [&x0, &x1], &mut both);
-                    for (t, x) in [&x0, &x1].into_iter().enumerate() {
-                        let mut alone = vec![0f32; rows];
-                        rows_with(k, ty, &w, row_bytes, x, &mut alone);
-                        assert_eq!(&both[t * rows..(t + 1) * rows], &alone[..], "{} {ty}: token {t} of a pair, {rows} rows", k.name);
-                    }
-                }
+                pairs_equal_singles(k, ty, &w, row_bytes, &x);
             }
         }
         for cols in [1, 7, 8, 31, 33, 100, 576] {
@@ -667,17 +659,23 @@ mod tests {
             let w16: Vec<u8> = (0..4 * cols).flat_map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0)).to_le_bytes()).collect();
             let wb16: Vec<u8> = (0..4 * cols).flat_map(|_| half::bf16::from_f32(rng.random_range(-1.0f32..1.0)).to_le_bytes()).collect();
             for (ty, w) in [(GgmlType::F32, &w32), (GgmlType::F16, &w16), (GgmlType::BF16, &wb16)] {
-                let row_bytes = w.len() / 4;
                 for k in [&Kernels::SCALAR, &simd] {
-                    for rows in 1..=4 {
-                        let mut both = vec![0f32; 2 * rows];
-                        pairs_with(k, ty, w, row_bytes, [&x[0], &x[1]], &mut both);
-                        for (t, x) in x.iter().enumerate() {
-                            let alone: Vec<f32> = (0..rows).map(|r| dot_with(k, ty, &w[r * row_bytes..(r + 1) * row_bytes], x)).collect();
-                            assert_eq!(&both[t * rows..(t + 1) * rows], &alone[..], "{} {ty} {cols} columns: token {t} of a pair, {rows} rows", k.name);
-                        }
-                    }
+                    pairs_equal_singles(k, ty, w, w.len() / 4, &x);
                 }
+            }
+        }
+    }
+
+    /// 1 to 4 rows of `w` times both tokens `x` per call give each (row, token) exactly what one
+    /// row and one token per call give.
+    fn pairs_equal_singles(k: &Kernels, ty: GgmlType, w: &[u8], row_bytes: usize, x: &[Vec<f32>; 2]) {
+        for rows in 1..=4 {
+            let mut both = vec![0f32; 2 * rows];
+            pairs_with(k, ty, w, row_bytes, [&x[0], &x[1]], &mut both);
+            for (t, x) in x.iter().enumerate() {
+                let alone: Vec<f32> = (0..rows).map(|r| dot_with(k, ty, &w[r * row_bytes..(r + 1) * row_bytes], x)).collect();
+                let cols = x.len();
+                assert_eq!(&both[t * rows..(t + 1) * rows], &alone[..], "{} {ty} {cols} columns: token {t} of a pair, {rows} rows", k.name);
             }
         }
     }

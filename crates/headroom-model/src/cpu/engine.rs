@@ -120,11 +120,11 @@ impl WeightReader for GgufReader<'_> {
         let fail = |e: String| Error::Weights(format!("tensor `{name}`: {e}"));
         // The test-only defect expands packed weights to f32 at load, as engines without packed
         // kernels do: the resident-memory check must catch it.
-        if super::dot::activation_kind(info.ggml_type).is_some() && !crate::test_defect("unpack-weights") {
-            return PackedMatrix::new(info.ggml_type, rows, cols, self.file.mapped(info)).map_err(fail);
-        }
         if crate::test_defect("unpack-weights") {
             return Ok(PackedMatrix::from_f32(&self.file.read_f32(&name)?.0, rows, cols));
+        }
+        if super::dot::activation_kind(info.ggml_type).is_some() {
+            return PackedMatrix::new(info.ggml_type, rows, cols, self.file.mapped(info)).map_err(fail);
         }
         // Q5_0, Q5_1, Q2_K and Q3_K are multiplied as Q8_0 (more bits than the file has, so
         // nothing is lost beyond Q8_0's rounding), or as f32 where rows are not whole blocks.
@@ -505,7 +505,6 @@ impl CpuCache {
         }
     }
 }
-
 
 impl GgufFile {
     /// A tensor's bytes as a range of the shared mapping (no copy).
