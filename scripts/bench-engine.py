@@ -200,6 +200,12 @@ def main():
     files = args.files or [DEFAULT_MODEL] + ([] if args.no_1b else random_1b_files())
     if args.unquantized:
         files += unquantized_files()
+    import llama_cpp
+
+    # What each engine multiplies with on this processor: a llama.cpp built for fewer
+    # instruction sets than Headroom detects (or more) is not the same comparison.
+    llama_features = [f.split("=")[0].strip() for f in llama_cpp.llama_print_system_info().decode().split("|") if f.strip().endswith("= 1")]
+    print(f"llama.cpp {llama_cpp.__version__} from {Path(llama_cpp.__file__).parent.parent}: {' '.join(llama_features)}", flush=True)
     rows = []
     for path in files:
         ours = run_headroom(path, args.threads, args.prompt_tokens, args.decode_tokens, args.runs)
@@ -207,6 +213,8 @@ def main():
         row = {
             "file": path.name,
             "threads": args.threads,
+            "headroom_kernels": ours.get("kernels"),
+            "llama_cpp_features": llama_features,
             "headroom": ours,
             "llama_cpp": theirs,
             "decode_ratio": ours["decode_tok_s"] / theirs["decode_tok_s"],
@@ -215,7 +223,7 @@ def main():
         }
         rows.append(row)
         print(
-            f"{path.name:42} {args.threads:>2} threads | decode {ours['decode_tok_s']:7.1f} vs {theirs['decode_tok_s']:7.1f} tok/s "
+            f"{path.name:42} {args.threads:>2} threads {ours.get('kernels', '?')} | decode {ours['decode_tok_s']:7.1f} vs {theirs['decode_tok_s']:7.1f} tok/s "
             f"({row['decode_ratio']:.2f}×) | prefill {ours['prefill_tok_s']:7.1f} vs {theirs['prefill_tok_s']:7.1f} tok/s "
             f"({row['prefill_ratio']:.2f}×) | bound {ours['bandwidth_bound_tok_s']:.0f} tok/s at {ours['read_bandwidth_gb_s']:.1f} GB/s: "
             f"headroom {ours['share_of_bound']:.0%}, llama.cpp {row['llama_cpp_share_of_bound']:.0%} | "

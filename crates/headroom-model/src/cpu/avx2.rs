@@ -36,7 +36,7 @@ pub const KERNELS: Kernels = Kernels {
 
 /// Runs `kernel` with the row count as a compile-time constant (1 to 4).
 #[inline(always)]
-fn by_rows(rows: usize, kernel: impl FnOnce(Rows)) {
+pub(super) fn by_rows(rows: usize, kernel: impl FnOnce(Rows)) {
     assert!((1..=4).contains(&rows), "1 to 4 rows per call, not {rows}");
     kernel(match rows {
         1 => Rows::One,
@@ -47,7 +47,7 @@ fn by_rows(rows: usize, kernel: impl FnOnce(Rows)) {
 }
 
 #[derive(Clone, Copy)]
-enum Rows {
+pub(super) enum Rows {
     One,
     Two,
     Three,
@@ -73,10 +73,11 @@ macro_rules! rows {
         }
     };
 }
+pub(super) use rows;
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum(v: __m256) -> f32 {
+pub(super) unsafe fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -85,7 +86,7 @@ unsafe fn hsum(v: __m256) -> f32 {
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16_scale(p: *const u8) -> f32 {
+pub(super) unsafe fn f16_scale(p: *const u8) -> f32 {
     let bits = u16::from_le_bytes([*p, *p.add(1)]);
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
 }
@@ -109,7 +110,7 @@ unsafe fn dot_u8_i8(x: __m256i, y: __m256i) -> __m256i {
 /// The 32 nibbles of 16 bytes: low nibbles in the first half, high in the second.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn nibbles(p: *const u8) -> __m256i {
+pub(super) unsafe fn nibbles(p: *const u8) -> __m256i {
     let packed = _mm_loadu_si128(p as *const __m128i);
     let both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
     _mm256_and_si256(both, _mm256_set1_epi8(0x0f))
@@ -191,7 +192,7 @@ unsafe fn float_rows<const N: usize, const T: usize>(w: *const u8, row_bytes: us
 /// page, and a decode step starts a new page every few rows.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn prefetch_next_rows<const N: usize>(w: *const u8, row_bytes: usize, offset: usize) {
+pub(super) unsafe fn prefetch_next_rows<const N: usize>(w: *const u8, row_bytes: usize, offset: usize) {
     for r in 0..N {
         // `wrapping_add`: the address may lie past the matrix; a prefetch never faults.
         _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add((N + r) * row_bytes + offset) as *const i8);
@@ -204,7 +205,7 @@ unsafe fn prefetch_next_rows<const N: usize>(w: *const u8, row_bytes: usize, off
 /// token) sum takes the same steps whatever `N` and `T` are.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows32<const N: usize, const T: usize>(
+pub(super) unsafe fn rows32<const N: usize, const T: usize>(
     w: *const u8,
     row_bytes: usize,
     a: [&[Q8x32]; T],
@@ -235,7 +236,7 @@ unsafe fn rows32<const N: usize, const T: usize>(
 }
 
 /// Checks that `T` tokens' activations of equal length and `out` (`T` × rows) fit the weights.
-fn check_tokens<A, const T: usize>(w: &[u8], row_bytes: usize, a: &[&[A]; T], block_bytes: usize, out: &[f32]) {
+pub(super) fn check_tokens<A, const T: usize>(w: &[u8], row_bytes: usize, a: &[&[A]; T], block_bytes: usize, out: &[f32]) {
     assert!(a.iter().all(|t| t.len() == a[0].len()), "tokens of different lengths");
     let rows = out.len() / T;
     assert!(w.len() >= (rows - 1) * row_bytes + a[0].len() * block_bytes, "rows shorter than the activations");
@@ -278,7 +279,7 @@ unsafe fn q8_0_rows<const N: usize, const T: usize>(w: *const u8, row_bytes: usi
 /// the same steps whatever `N` and `T` are.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows256<const N: usize, const T: usize>(
+pub(super) unsafe fn rows256<const N: usize, const T: usize>(
     w: *const u8,
     row_bytes: usize,
     a: [&[Q8x256]; T],
@@ -342,18 +343,24 @@ unsafe fn k4_k5_block<const T: usize>(b: *const u8, a: [&Q8x256; T], qh: Option<
             sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(p1, p2));
         }
     }
-    // Σ min_j · (bsum_2j + bsum_2j+1): the sixteen sums of 16 added in pairs, times the mins.
+    (sumi, f16_scale(b), k4_min_terms(b, a, &mins))
+}
+
+/// Each token's `dmin · d_act · Σ min_j · (bsum_2j + bsum_2j+1)` of a Q4_K/Q5_K super-block
+/// `b` whose eight mins are `mins`: the sixteen sums of 16 added in pairs, times the mins.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn k4_min_terms<const T: usize>(b: *const u8, a: [&Q8x256; T], mins: &[u8; 8]) -> [f32; T] {
     let mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(mins.as_ptr() as *const __m128i));
     let dmin = f16_scale(b.add(2));
-    let min_terms = std::array::from_fn(|t| {
+    std::array::from_fn(|t| {
         let bsums = a[t].bsums.as_ptr() as *const __m128i;
         let pairs = _mm_hadd_epi16(_mm_loadu_si128(bsums), _mm_loadu_si128(bsums.add(1)));
         let m = _mm_madd_epi16(mins, pairs);
         let m = _mm_add_epi32(m, _mm_unpackhi_epi64(m, m));
         let m = _mm_add_epi32(m, _mm_shuffle_epi32::<1>(m));
         dmin * a[t].d * _mm_cvtsi128_si32(m) as f32
-    });
-    (sumi, f16_scale(b), min_terms)
+    })
 }
 
 unsafe fn q4_k<const T: usize>(n: Rows, w: &[u8], row_bytes: usize, a: [&[Q8x256]; T], out: &mut [f32]) {
