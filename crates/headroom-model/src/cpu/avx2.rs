@@ -110,7 +110,7 @@ unsafe fn dot_u8_i8(x: __m256i, y: __m256i) -> __m256i {
 /// The 32 nibbles of 16 bytes: low nibbles in the first half, high in the second.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn nibbles(p: *const u8) -> __m256i {
+unsafe fn nibbles(p: *const u8) -> __m256i {
     let packed = _mm_loadu_si128(p as *const __m128i);
     let both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
     _mm256_and_si256(both, _mm256_set1_epi8(0x0f))
@@ -242,6 +242,27 @@ pub(super) fn check_tokens<A, const T: usize>(w: &[u8], row_bytes: usize, a: &[&
     assert!(w.len() >= (rows - 1) * row_bytes + a[0].len() * block_bytes, "rows shorter than the activations");
 }
 
+/// A Q4_0 block for [`rows32`]: its 32 weights as signed bytes (nibbles − 8), its scale, no min.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn unpack_q4_0(b: *const u8) -> (__m256i, f32, f32) {
+    (_mm256_sub_epi8(nibbles(b.add(2)), _mm256_set1_epi8(8)), f16_scale(b), 0.0)
+}
+
+/// A Q4_1 block for [`rows32`]: its 32 nibbles as unsigned bytes, its scale and its min.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn unpack_q4_1(b: *const u8) -> (__m256i, f32, f32) {
+    (nibbles(b.add(4)), f16_scale(b), f16_scale(b.add(2)))
+}
+
+/// A Q8_0 block for [`rows32`]: its 32 signed bytes, its scale, no min.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn unpack_q8_0(b: *const u8) -> (__m256i, f32, f32) {
+    (_mm256_loadu_si256(b.add(2) as *const __m256i), f16_scale(b), 0.0)
+}
+
 unsafe fn q4_0<const T: usize>(n: Rows, w: &[u8], row_bytes: usize, a: [&[Q8x32]; T], out: &mut [f32]) {
     check_tokens(w, row_bytes, &a, 18, out);
     rows!(n, q4_0_rows::<T>(w.as_ptr(), row_bytes, a, out.as_mut_ptr()))
@@ -249,8 +270,7 @@ unsafe fn q4_0<const T: usize>(n: Rows, w: &[u8], row_bytes: usize, a: [&[Q8x32]
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4_0_rows<const N: usize, const T: usize>(w: *const u8, row_bytes: usize, a: [&[Q8x32]; T], out: *mut f32) {
-    let offset = _mm256_set1_epi8(8);
-    rows32::<N, T>(w, row_bytes, a, 18, out, |b| (_mm256_sub_epi8(nibbles(b.add(2)), offset), f16_scale(b), 0.0), |q, y| dot_i8(q, y))
+    rows32::<N, T>(w, row_bytes, a, 18, out, |b| unpack_q4_0(b), |q, y| dot_i8(q, y))
 }
 
 unsafe fn q4_1<const T: usize>(n: Rows, w: &[u8], row_bytes: usize, a: [&[Q8x32]; T], out: &mut [f32]) {
@@ -260,7 +280,7 @@ unsafe fn q4_1<const T: usize>(n: Rows, w: &[u8], row_bytes: usize, a: [&[Q8x32]
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4_1_rows<const N: usize, const T: usize>(w: *const u8, row_bytes: usize, a: [&[Q8x32]; T], out: *mut f32) {
-    rows32::<N, T>(w, row_bytes, a, 20, out, |b| (nibbles(b.add(4)), f16_scale(b), f16_scale(b.add(2))), |q, y| dot_u8_i8(q, y))
+    rows32::<N, T>(w, row_bytes, a, 20, out, |b| unpack_q4_1(b), |q, y| dot_u8_i8(q, y))
 }
 
 unsafe fn q8_0<const T: usize>(n: Rows, w: &[u8], row_bytes: usize, a: [&[Q8x32]; T], out: &mut [f32]) {
@@ -270,7 +290,7 @@ unsafe fn q8_0<const T: usize>(n: Rows, w: &[u8], row_bytes: usize, a: [&[Q8x32]
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q8_0_rows<const N: usize, const T: usize>(w: *const u8, row_bytes: usize, a: [&[Q8x32]; T], out: *mut f32) {
-    rows32::<N, T>(w, row_bytes, a, 34, out, |b| (_mm256_loadu_si256(b.add(2) as *const __m256i), f16_scale(b), 0.0), |q, y| dot_i8(q, y))
+    rows32::<N, T>(w, row_bytes, a, 34, out, |b| unpack_q8_0(b), |q, y| dot_i8(q, y))
 }
 
 /// `N` rows × `T` tokens of a K-quant type into `out[t · N + r]`: `block(weights, the tokens'

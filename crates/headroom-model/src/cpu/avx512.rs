@@ -15,7 +15,7 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::{self, by_rows, check_tokens, f16_scale, k4_min_terms, nibbles, rows, rows256, rows32, Rows};
+use super::avx2::{self, by_rows, check_tokens, f16_scale, k4_min_terms, rows, rows256, rows32, unpack_q4_0, unpack_q4_1, unpack_q8_0, Rows};
 use super::dot::{scales_mins_k4, Kernels, Q8x256, Q8x32};
 
 pub const KERNELS: Kernels = Kernels {
@@ -73,8 +73,7 @@ unsafe fn q4_0<const T: usize>(n: Rows, w: &[u8], row_bytes: usize, a: [&[Q8x32]
 
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn q4_0_rows<const N: usize, const T: usize>(w: *const u8, row_bytes: usize, a: [&[Q8x32]; T], out: *mut f32) {
-    let offset = _mm256_set1_epi8(8);
-    rows32::<N, T>(w, row_bytes, a, 18, out, |b| (_mm256_sub_epi8(nibbles(b.add(2)), offset), f16_scale(b), 0.0), |q, y| dot_i8(q, y))
+    rows32::<N, T>(w, row_bytes, a, 18, out, |b| unpack_q4_0(b), |q, y| dot_i8(q, y))
 }
 
 unsafe fn q4_1<const T: usize>(n: Rows, w: &[u8], row_bytes: usize, a: [&[Q8x32]; T], out: &mut [f32]) {
@@ -84,7 +83,7 @@ unsafe fn q4_1<const T: usize>(n: Rows, w: &[u8], row_bytes: usize, a: [&[Q8x32]
 
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn q4_1_rows<const N: usize, const T: usize>(w: *const u8, row_bytes: usize, a: [&[Q8x32]; T], out: *mut f32) {
-    rows32::<N, T>(w, row_bytes, a, 20, out, |b| (nibbles(b.add(4)), f16_scale(b), f16_scale(b.add(2))), |q, y| dot_u8_i8(q, y))
+    rows32::<N, T>(w, row_bytes, a, 20, out, |b| unpack_q4_1(b), |q, y| dot_u8_i8(q, y))
 }
 
 unsafe fn q8_0<const T: usize>(n: Rows, w: &[u8], row_bytes: usize, a: [&[Q8x32]; T], out: &mut [f32]) {
@@ -94,7 +93,7 @@ unsafe fn q8_0<const T: usize>(n: Rows, w: &[u8], row_bytes: usize, a: [&[Q8x32]
 
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn q8_0_rows<const N: usize, const T: usize>(w: *const u8, row_bytes: usize, a: [&[Q8x32]; T], out: *mut f32) {
-    rows32::<N, T>(w, row_bytes, a, 34, out, |b| (_mm256_loadu_si256(b.add(2) as *const __m256i), f16_scale(b), 0.0), |q, y| dot_i8(q, y))
+    rows32::<N, T>(w, row_bytes, a, 34, out, |b| unpack_q8_0(b), |q, y| dot_i8(q, y))
 }
 
 /// The upper half of a 512-bit register, as a mask of its 32 16-bit lanes.

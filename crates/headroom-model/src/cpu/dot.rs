@@ -125,7 +125,7 @@ fn quantize_q8x256_body(x: &[f32], out: &mut [Q8x256]) {
 }
 
 #[inline]
-fn f16_at(b: &[u8], at: usize) -> f32 {
+pub(super) fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 

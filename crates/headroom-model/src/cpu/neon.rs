@@ -14,7 +14,7 @@ use std::arch::aarch64::*;
 
 use half::slice::HalfFloatSliceExt;
 
-use super::dot::{each_row, each_row_pair, scales_mins_k4, Kernels, Q8x256, Q8x32};
+use super::dot::{each_row, each_row_pair, f16_at, scales_mins_k4, Kernels, Q8x256, Q8x32};
 
 pub const KERNELS: Kernels = Kernels {
     name: "neon",
@@ -37,11 +37,6 @@ pub const KERNELS: Kernels = Kernels {
     q5_k_pairs: each_row_pair!(q5_k, 176),
     q6_k_pairs: each_row_pair!(q6_k, 210),
 };
-
-#[inline]
-fn f16_at(b: &[u8], at: usize) -> f32 {
-    half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
-}
 
 /// Σ x·y of 16 signed bytes, in four i32 lanes (products fit i16: |x·y| ≤ 128²).
 #[inline(always)]
