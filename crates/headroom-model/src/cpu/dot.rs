@@ -389,11 +389,6 @@ impl Kernels {
         })
     }
 
-    /// The fastest SIMD set, where the processor has one.
-    pub fn simd() -> Option<Kernels> {
-        Self::available().into_iter().find(|k| k.name != "scalar")
-    }
-
     /// Every set this processor runs, fastest first; the scalar reference last.
     pub fn available() -> Vec<Kernels> {
         let mut sets = Vec::new();
