@@ -283,6 +283,8 @@ pub struct Kernels {
     pub q4_k_pairs: Q256Pairs,
     pub q5_k_pairs: Q256Pairs,
     pub q6_k_pairs: Q256Pairs,
+    /// The K-quants' prefill kernel over unpacked rows ([`super::tile`]), where there is one.
+    pub k_tile: Option<super::tile::TileKernel>,
 }
 
 /// A scalar row kernel applied to each of the rows.
@@ -337,6 +339,7 @@ impl Kernels {
         q4_k_pairs: each_row_pair!(scalar::q4_k, 144),
         q5_k_pairs: each_row_pair!(scalar::q5_k, 176),
         q6_k_pairs: each_row_pair!(scalar::q6_k, 210),
+        k_tile: None,
     };
 
     /// The one-token and two-token kernels of unquantized rows (F32, F16, BF16).

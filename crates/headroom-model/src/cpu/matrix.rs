@@ -5,6 +5,7 @@ use std::sync::{Arc, OnceLock};
 
 use super::dot::{activation_kind, quantize_q8x256, quantize_q8x32, ActivationKind, Kernels, Q8x256, Q8x32};
 use super::team::Team;
+use super::tile::{combine, unpack, Combine, KBlock8, TileKernel, ROWS, TOKENS};
 use crate::quants::GgmlType;
 
 /// A matrix's bytes: a range of a memory-mapped model file (no copy; the page cache holds it
@@ -125,41 +126,105 @@ fn block_dot<'s, A: Sync>(
     })
 }
 
+/// Tokens from which a K-quant product unpacks its rows once into tiles ([`super::tile`]);
+/// below, the row kernels' unpacking per pair of tokens costs less.
+const TILE_MIN_TOKENS: usize = 4;
+
+/// How the tasks of one product compute their rows.
+enum Product<'s> {
+    /// Rows 1 to 4 and tokens 1 or 2 at a time (decode, short prefills, other types).
+    Rows(Box<dyn Fn(usize, usize, usize, &mut [f32]) + Sync + 's>),
+    /// Rows unpacked 8 at a time, then multiplied with the tokens 4 at a time.
+    Tiled { m: &'s PackedMatrix, a: &'s [Q8x256], kernel: TileKernel, combine: Combine },
+}
+
+thread_local! {
+    /// Each thread's unpacked rows, kept between products (they are a few tens of KiB).
+    static TILE: std::cell::RefCell<Vec<KBlock8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Several products of the same activations (q, k and v; gate and up) in one parallel step of
 /// the team: one hand-off to the threads instead of one per matrix.
 pub fn multiply_all(products: &mut [(&PackedMatrix, &mut [f32])], x: &Activations, team: &Team) {
     let tokens = x.rows;
+    let kernels = Kernels::detect();
     let mut tasks = Vec::new();
-    let mut dots = Vec::with_capacity(products.len());
+    let mut plans = Vec::with_capacity(products.len());
     for (i, (m, out)) in products.iter_mut().enumerate() {
+        let m: &PackedMatrix = m;
         assert_eq!(out.len(), tokens * m.rows);
-        dots.push((m.rows_dot(x, team), SharedPtr(out.as_mut_ptr()), m.rows));
-        let tile = tile_rows(m.rows, tokens, m.cols, team.threads());
+        let mut tile = tile_rows(m.rows, tokens, m.cols, team.threads());
+        let product = match (kernels.k_tile, combine(m.ty)) {
+            (Some(kernel), Some(combine)) if tokens >= TILE_MIN_TOKENS => {
+                assert_eq!(x.cols, m.cols, "activations have {} columns, the weights {}", x.cols, m.cols);
+                tile = tile.next_multiple_of(ROWS);
+                Product::Tiled { m, a: x.q8x256(team), kernel, combine }
+            }
+            _ => Product::Rows(m.rows_dot(x, team)),
+        };
+        plans.push((product, SharedPtr(out.as_mut_ptr()), m.rows));
         tasks.extend((0..m.rows.div_ceil(tile)).map(|k| (i, k * tile, ((k + 1) * tile).min(m.rows))));
     }
     // Rows are split into tiles over the threads; within a tile every token reads the tile's
     // rows while they are in cache.
     team.for_each(tasks.len(), |task| {
         let (i, first, last) = tasks[task];
-        let (dot, out, rows) = &dots[i];
-        // Tokens two at a time (a kernel unpacks each weight block once for both), the last
-        // alone if their count is odd.
-        let mut t = 0;
-        while t < tokens {
-            let pair = if t + 1 < tokens { 2 } else { 1 };
-            let mut r = first;
-            while r < last {
-                let n = (last - r).min(4);
-                let mut sums = [0f32; 8];
-                dot(r, t, pair, &mut sums[..pair * n]);
-                for k in 0..pair {
-                    // SAFETY: rows r..r + n of token t + k belong to this task alone, inside
-                    // product i's `out`.
-                    unsafe { out.slice((t + k) * rows + r, n) }.copy_from_slice(&sums[k * n..(k + 1) * n]);
-                }
-                r += n;
+        let (product, out, rows) = &plans[i];
+        match product {
+            Product::Rows(dot) => rows_task(dot, *out, *rows, tokens, first, last),
+            Product::Tiled { m, a, kernel, combine } => tiled_task(m, a, *kernel, *combine, *out, tokens, first, last),
+        }
+    });
+}
+
+/// Rows `first..last` of a product for every token, through the row kernels.
+fn rows_task(dot: &dyn Fn(usize, usize, usize, &mut [f32]), out: SharedPtr<f32>, rows: usize, tokens: usize, first: usize, last: usize) {
+    // Tokens two at a time (a kernel unpacks each weight block once for both), the last
+    // alone if their count is odd.
+    let mut t = 0;
+    while t < tokens {
+        let pair = if t + 1 < tokens { 2 } else { 1 };
+        let mut r = first;
+        while r < last {
+            let n = (last - r).min(4);
+            let mut sums = [0f32; 8];
+            dot(r, t, pair, &mut sums[..pair * n]);
+            for k in 0..pair {
+                // SAFETY: rows r..r + n of token t + k belong to this task alone, inside the
+                // product's `out`.
+                unsafe { out.slice((t + k) * rows + r, n) }.copy_from_slice(&sums[k * n..(k + 1) * n]);
             }
-            t += pair;
+            r += n;
+        }
+        t += pair;
+    }
+}
+
+/// Rows `first..last` of a K-quant product for every token: 8 rows unpacked at a time, then
+/// multiplied with the tokens 4 at a time while they sit in the L1/L2 cache.
+#[allow(clippy::too_many_arguments)]
+fn tiled_task(m: &PackedMatrix, a: &[Q8x256], kernel: TileKernel, combine: Combine, out: SharedPtr<f32>, tokens: usize, first: usize, last: usize) {
+    let per = m.cols / 256;
+    TILE.with(|tile| {
+        let mut tile = tile.borrow_mut();
+        if tile.len() < per {
+            tile.resize(per, KBlock8::default());
+        }
+        let tile = &mut tile[..per];
+        for r in (first..last).step_by(ROWS) {
+            let n = (last - r).min(ROWS);
+            unpack(m.ty, &m.data[r * m.row_bytes..(r + n) * m.row_bytes], m.row_bytes, n, tile);
+            for t in (0..tokens).step_by(TOKENS) {
+                let k = (tokens - t).min(TOKENS);
+                let token: [&[Q8x256]; TOKENS] = std::array::from_fn(|j| &a[(t + j).min(tokens - 1) * per..][..per]);
+                let mut sums = [[0f32; ROWS]; TOKENS];
+                kernel(tile, &token[..k], combine, &mut sums);
+                for (j, sums) in sums[..k].iter().enumerate() {
+                    // SAFETY: rows r..r + n of token t + j belong to this task alone, inside the
+                    // product's `out`.
+                    unsafe { out.slice((t + j) * m.rows + r, n) }.copy_from_slice(&sums[..n]);
+                }
+            }
         }
     });
 }

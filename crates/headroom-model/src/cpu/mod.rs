@@ -5,6 +5,7 @@
 //! - [`dot`]: activation blocks, the scalar reference dot products, run-time kernel choice;
 //! - `avx2`: the x86-64 kernels (AVX2, FMA, F16C);
 //! - `avx512`: the AVX-512 and VNNI kernels on AVX2's frame (Ice Lake, Sapphire Rapids, Zen 4);
+//! - [`tile`]: the K-quants' prefill products over rows unpacked once per product;
 //! - [`matrix`]: packed matrices and their threaded products (decode rows and prefill tiles);
 //! - [`team`]: the pool's threads held together for a forward pass (one wake-up, not one per
 //!   product);
@@ -20,6 +21,7 @@ pub mod dot;
 pub mod engine;
 pub mod matrix;
 pub mod team;
+pub mod tile;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]

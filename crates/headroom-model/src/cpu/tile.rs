@@ -1,0 +1,350 @@
+//! Prefill products of the K-quants (Q4_K, Q5_K, Q6_K): eight weight rows unpacked once into a
+//! layout whose vector lanes are the rows, then multiplied against every token of the prefill.
+//!
+//! The row kernels of [`super::dot`] unpack a super-block (nibbles, fifth or sixth bits, the
+//! packed 6-bit scales) for every pair of tokens and sum each row across vector lanes at the end;
+//! at 128 tokens that unpacking is repeated 64 times and dominates a prefill. Here a task unpacks
+//! its rows once ([`unpack`], portable, 4 values per 32-bit operation) into [`KBlock8`]s — the
+//! quants of 8 rows × 4 columns per 32 bytes, each sub-block's scale ready for a multiply — and
+//! the kernel then needs per 4 columns and token one broadcast of 4 activations and one
+//! unsigned×signed byte multiply for all 8 rows, with 4 tokens sharing each weight load.
+//!
+//! Every lane takes exactly the scalar reference's steps: exact integer sums per super-block,
+//! then the reference's float combination (`d_act · (d · Σ − dmin · Σmin)` for Q4_K/Q5_K,
+//! `d · d_act · Σ` for Q6_K), added block after block. So a prefill's products equal the scalar
+//! reference's bit for bit, whichever token count or row position a value has.
+
+use half::f16;
+
+use super::dot::{scales_mins_k4, Q8x256};
+use crate::quants::GgmlType;
+
+/// Rows per [`KBlock8`]: the lanes of one 256-bit vector of i32.
+pub const ROWS: usize = 8;
+/// Tokens one kernel call multiplies (each weight load is used for all of them).
+pub const TOKENS: usize = 4;
+
+/// One super-block (256 columns) of 8 rows, unpacked.
+#[derive(Clone, Copy)]
+#[repr(C, align(32))]
+pub struct KBlock8 {
+    /// `q[g][4r + i]`: the quant (0..=63) of row `r`, column `4g + i`.
+    pub q: [[u8; 32]; 64],
+    /// `scales[j][r]`: row `r`'s integer scale of columns `16j..16j + 16`, as two equal i16
+    /// halves (one `madd` applies it to pairs of products).
+    pub scales: [[i32; ROWS]; 16],
+    /// `mins[p][r]`: row `r`'s integer mins of columns `32p..32p + 16` (low i16) and
+    /// `32p + 16..32p + 32` (high i16), multiplied with the activations' sums of 16.
+    pub mins: [[i32; ROWS]; 8],
+    pub d: [f32; ROWS],
+    pub dmin: [f32; ROWS],
+}
+
+impl Default for KBlock8 {
+    fn default() -> Self {
+        Self { q: [[0; 32]; 64], scales: [[0; ROWS]; 16], mins: [[0; ROWS]; 8], d: [0.0; ROWS], dmin: [0.0; ROWS] }
+    }
+}
+
+/// How a type's mins combine with its sums (the scalar reference's order, so results agree bit
+/// for bit).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Combine {
+    /// Q4_K, Q5_K: `d_act · (d · Σ − dmin · Σmin)`.
+    ScaleAndMin,
+    /// Q6_K: the −32 offset is subtracted in integers, then `d · d_act · Σ`.
+    Offset,
+}
+
+/// Whether [`unpack`] takes `ty`, and how its sums combine.
+pub fn combine(ty: GgmlType) -> Option<Combine> {
+    match ty {
+        GgmlType::Q4K | GgmlType::Q5K => Some(Combine::ScaleAndMin),
+        GgmlType::Q6K => Some(Combine::Offset),
+        _ => None,
+    }
+}
+
+#[inline(always)]
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+#[inline(always)]
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// Two copies of an i16 in one i32 lane.
+#[inline(always)]
+fn twice(v: i32) -> i32 {
+    let h = v as i16 as u16 as u32;
+    (h | (h << 16)) as i32
+}
+
+/// Two i16 in one i32 lane: `low`, then `high`.
+#[inline(always)]
+fn pair(low: i32, high: i32) -> i32 {
+    ((low as i16 as u16 as u32) | ((high as i16 as u16 as u32) << 16)) as i32
+}
+
+/// Unpacks rows `w` (`rows` ≤ 8 of them, `row_bytes` apart, each `out.len()` super-blocks of
+/// `ty`) into `out`; lanes past `rows` are zero.
+pub fn unpack(ty: GgmlType, w: &[u8], row_bytes: usize, rows: usize, out: &mut [KBlock8]) {
+    assert!(rows <= ROWS && rows >= 1);
+    let size = ty.block_bytes();
+    assert!(w.len() >= (rows - 1) * row_bytes + out.len() * size);
+    // The negative control of the tile check: Q6_K's −32 offset left out.
+    let no_offset = crate::test_defect("tile-q6k-offset");
+    for (i, blk) in out.iter_mut().enumerate() {
+        if rows < ROWS {
+            *blk = KBlock8::default();
+        }
+        for r in 0..rows {
+            let b = &w[r * row_bytes + i * size..r * row_bytes + (i + 1) * size];
+            let mut put = |column: usize, quads: u32| blk.q[column / 4][4 * r..4 * r + 4].copy_from_slice(&quads.to_le_bytes());
+            match ty {
+                GgmlType::Q4K | GgmlType::Q5K => {
+                    let (qh, qs) = if ty == GgmlType::Q5K { (Some(&b[16..48]), &b[48..176]) } else { (None, &b[16..144]) };
+                    for chunk in 0..4 {
+                        for l in (0..32).step_by(4) {
+                            let x = u32_at(qs, chunk * 32 + l);
+                            let (mut low, mut high) = (x & 0x0f0f_0f0f, (x >> 4) & 0x0f0f_0f0f);
+                            if let Some(qh) = qh {
+                                let h = u32_at(qh, l);
+                                low |= ((h >> (2 * chunk)) & 0x0101_0101) << 4;
+                                high |= ((h >> (2 * chunk + 1)) & 0x0101_0101) << 4;
+                            }
+                            put(chunk * 64 + l, low);
+                            put(chunk * 64 + 32 + l, high);
+                        }
+                    }
+                    let (scales, mins) = scales_mins_k4(&b[4..16]);
+                    for j in 0..16 {
+                        blk.scales[j][r] = twice(scales[j / 2] as i32);
+                    }
+                    for p in 0..8 {
+                        blk.mins[p][r] = twice(mins[p] as i32);
+                    }
+                    blk.d[r] = f16_at(b, 0);
+                    blk.dmin[r] = f16_at(b, 2);
+                }
+                GgmlType::Q6K => {
+                    let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
+                    for half in 0..2 {
+                        for l in (0..32).step_by(4) {
+                            let (x0, x1, h) = (u32_at(ql, half * 64 + l), u32_at(ql, half * 64 + 32 + l), u32_at(qh, half * 32 + l));
+                            let high = |shift: u32| ((h >> shift) & 0x0303_0303) << 4;
+                            put(half * 128 + l, (x0 & 0x0f0f_0f0f) | high(0));
+                            put(half * 128 + 32 + l, (x1 & 0x0f0f_0f0f) | high(2));
+                            put(half * 128 + 64 + l, ((x0 >> 4) & 0x0f0f_0f0f) | high(4));
+                            put(half * 128 + 96 + l, ((x1 >> 4) & 0x0f0f_0f0f) | high(6));
+                        }
+                    }
+                    for j in 0..16 {
+                        blk.scales[j][r] = twice(sc[j] as i8 as i32);
+                    }
+                    // q − 32 as q, less 32 · scale · (sum of the 16 activations).
+                    for p in 0..8 {
+                        blk.mins[p][r] = if no_offset { 0 } else { pair(32 * sc[2 * p] as i8 as i32, 32 * sc[2 * p + 1] as i8 as i32) };
+                    }
+                    let d = f16_at(b, 208);
+                    blk.d[r] = d;
+                    blk.dmin[r] = d;
+                }
+                _ => panic!("{ty} is not a K-quant"),
+            }
+        }
+    }
+}
+
+/// `out[t][r]` = row `r` of `blocks` times token `t` (`a[t]`, one activation block per
+/// super-block), for 1 to [`TOKENS`] tokens.
+pub type TileKernel = fn(blocks: &[KBlock8], a: &[&[Q8x256]], combine: Combine, out: &mut [[f32; ROWS]; TOKENS]);
+
+/// The scalar form of the kernel (the reference's arithmetic on the unpacked layout): a check
+/// of [`unpack`] on its own, and the kernel of processors without a SIMD one.
+pub fn scalar(blocks: &[KBlock8], a: &[&[Q8x256]], combine: Combine, out: &mut [[f32; ROWS]; TOKENS]) {
+    for (t, a) in a.iter().enumerate() {
+        for r in 0..ROWS {
+            let mut sum = 0f32;
+            for (blk, a) in blocks.iter().zip(a.iter()) {
+                let (mut isum, mut msum) = (0i32, 0i32);
+                for j in 0..16 {
+                    let scale = blk.scales[j][r] as i16 as i32;
+                    let mut part = 0i32;
+                    for c in 16 * j..16 * j + 16 {
+                        part += blk.q[c / 4][4 * r + c % 4] as i32 * a.qs[c] as i32;
+                    }
+                    isum += scale * part;
+                }
+                for p in 0..8 {
+                    let m = blk.mins[p][r];
+                    msum += (m as i16 as i32) * a.bsums[2 * p] as i32 + (m >> 16) * a.bsums[2 * p + 1] as i32;
+                }
+                sum += match combine {
+                    Combine::ScaleAndMin => a.d * (blk.d[r] * isum as f32 - blk.dmin[r] * msum as f32),
+                    Combine::Offset => blk.d[r] * a.d * (isum - msum) as f32,
+                };
+            }
+            out[t][r] = sum;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) mod avx2 {
+    #![allow(unsafe_op_in_unsafe_fn)]
+    use std::arch::x86_64::*;
+
+    use super::*;
+
+    pub fn kernel(blocks: &[KBlock8], a: &[&[Q8x256]], combine: Combine, out: &mut [[f32; ROWS]; TOKENS]) {
+        for a in a {
+            assert!(a.len() >= blocks.len());
+        }
+        // SAFETY: this kernel is only in the sets of processors with AVX2, FMA and F16C; every
+        // token has an activation block per super-block (checked above).
+        unsafe {
+            match a.len() {
+                1 => tokens::<1>(blocks, a, combine, out),
+                2 => tokens::<2>(blocks, a, combine, out),
+                3 => tokens::<3>(blocks, a, combine, out),
+                4 => tokens::<4>(blocks, a, combine, out),
+                n => panic!("1 to {TOKENS} tokens per call, not {n}"),
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn four_bytes(p: *const i8, at: usize) -> __m256i {
+        _mm256_set1_epi32(std::ptr::read_unaligned(p.add(at) as *const i32))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tokens<const T: usize>(blocks: &[KBlock8], a: &[&[Q8x256]], combine: Combine, out: &mut [[f32; ROWS]; TOKENS]) {
+        let mut sum = [_mm256_setzero_ps(); T];
+        for (i, blk) in blocks.iter().enumerate() {
+            let ab: [&Q8x256; T] = std::array::from_fn(|t| a[t].get_unchecked(i));
+            let q = blk.q.as_ptr() as *const __m256i;
+            let mut isum = [_mm256_setzero_si256(); T];
+            for j in 0..16 {
+                let scale = _mm256_load_si256(blk.scales[j].as_ptr() as *const __m256i);
+                let w = [0, 1, 2, 3].map(|g| _mm256_load_si256(q.add(4 * j + g)));
+                for t in 0..T {
+                    let y = ab[t].qs.as_ptr();
+                    // Two products of at most 2·63·127 each fit an i16 together.
+                    let p01 = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(w[0], four_bytes(y, 16 * j)),
+                        _mm256_maddubs_epi16(w[1], four_bytes(y, 16 * j + 4)),
+                    );
+                    let p23 = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(w[2], four_bytes(y, 16 * j + 8)),
+                        _mm256_maddubs_epi16(w[3], four_bytes(y, 16 * j + 12)),
+                    );
+                    let s = _mm256_add_epi32(_mm256_madd_epi16(p01, scale), _mm256_madd_epi16(p23, scale));
+                    isum[t] = _mm256_add_epi32(isum[t], s);
+                }
+            }
+            let mut msum = [_mm256_setzero_si256(); T];
+            for p in 0..8 {
+                let mins = _mm256_load_si256(blk.mins[p].as_ptr() as *const __m256i);
+                for t in 0..T {
+                    let bsums = _mm256_set1_epi32(std::ptr::read_unaligned(ab[t].bsums.as_ptr().add(2 * p) as *const i32));
+                    msum[t] = _mm256_add_epi32(msum[t], _mm256_madd_epi16(mins, bsums));
+                }
+            }
+            let d = _mm256_load_ps(blk.d.as_ptr());
+            // The scalar reference's float steps, lane by lane (no fused multiply-adds).
+            match combine {
+                Combine::ScaleAndMin => {
+                    let dmin = _mm256_load_ps(blk.dmin.as_ptr());
+                    for t in 0..T {
+                        let inner = _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(isum[t])), _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(msum[t])));
+                        sum[t] = _mm256_add_ps(sum[t], _mm256_mul_ps(_mm256_set1_ps(ab[t].d), inner));
+                    }
+                }
+                Combine::Offset => {
+                    for t in 0..T {
+                        let scale = _mm256_mul_ps(d, _mm256_set1_ps(ab[t].d));
+                        sum[t] = _mm256_add_ps(sum[t], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[t], msum[t]))));
+                    }
+                }
+            }
+        }
+        for t in 0..T {
+            _mm256_storeu_ps(out[t].as_mut_ptr(), sum[t]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::conformance::{activations, blocks, Blocks, TYPES};
+    use crate::cpu::dot::{quantize_q8x256, Kernels};
+    use rand::SeedableRng;
+
+    /// Unpacked rows times tokens, through the scalar tile kernel and every SIMD one this
+    /// processor has, equal the scalar row reference bit for bit (random, zero and saturated
+    /// blocks; 1 to 8 rows; 1 to 4 tokens).
+    #[test]
+    fn tiles_equal_the_scalar_reference_exactly() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        let mut kernels: Vec<(&str, TileKernel)> = vec![("scalar", scalar)];
+        kernels.extend(Kernels::available().iter().filter_map(|k| k.k_tile.map(|f| (k.name, f))));
+        for &(ty, scale_at) in TYPES {
+            let Some(combine) = combine(ty) else { continue };
+            for kind in [Blocks::Random, Blocks::Zero, Blocks::Max] {
+                let n_blocks = 3;
+                let (cols, row_bytes) = (n_blocks * 256, n_blocks * ty.block_bytes());
+                let w = blocks(ty, scale_at, ROWS * n_blocks, kind, &mut rng);
+                let a: Vec<Vec<Q8x256>> = (0..TOKENS)
+                    .map(|_| {
+                        let mut a = vec![Q8x256::default(); n_blocks];
+                        quantize_q8x256(&activations(cols, &mut rng), &mut a);
+                        a
+                    })
+                    .collect();
+                for rows in [1, 3, 8] {
+                    let mut tile = vec![KBlock8::default(); n_blocks];
+                    unpack(ty, &w, row_bytes, rows, &mut tile);
+                    for tokens in 1..=TOKENS {
+                        let refs: Vec<&[Q8x256]> = a[..tokens].iter().map(|a| a.as_slice()).collect();
+                        for (name, kernel) in &kernels {
+                            let mut out = [[f32::NAN; ROWS]; TOKENS];
+                            kernel(&tile, &refs, combine, &mut out);
+                            for t in 0..tokens {
+                                for r in 0..ROWS {
+                                    let want = if r < rows {
+                                        let mut o = [0f32];
+                                        Kernels::SCALAR.q8x256_kernels(ty).0(&w[r * row_bytes..(r + 1) * row_bytes], row_bytes, &a[t], &mut o);
+                                        o[0]
+                                    } else {
+                                        0.0
+                                    };
+                                    // `==`: the same float (+0 and −0 alike, as the reference's sum starts at either).
+                                    assert!(out[t][r] == want, "{name} {ty} row {r} of {rows}, token {t} of {tokens}: {} vs {want}", out[t][r]);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The check above fails when Q6_K's −32 offset is left out of the unpacked rows
+    /// (`HEADROOM_TEST_DEFECT=tile-q6k-offset`, in a child process).
+    #[test]
+    fn the_negative_control_of_the_tile_check_fails() {
+        let output = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "cpu::tile::tests::tiles_equal_the_scalar_reference_exactly", "--test-threads", "1"])
+            .env("HEADROOM_TEST_DEFECT", "tile-q6k-offset")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(!output.status.success() && stdout.contains("1 failed"), "with the defect the check still passed: {stdout}");
+        assert!(stdout.contains("Q6_K"), "it failed on something else: {stdout}");
+    }
+}
