@@ -14,12 +14,14 @@ use half::f16;
 pub(crate) use crate::quants::scales_mins_k4;
 use crate::quants::GgmlType;
 
-/// 32 activations quantized to `d · qs`, with `s = d · Σ qs` for the types with a minimum (Q4_1).
+/// 32 activations quantized to `d · qs`, with `s = d · Σ qs` for the types with a minimum (Q4_1)
+/// and `sum = Σ qs` for the tiles' offsets ([`super::tile`]).
 #[derive(Clone, Copy, Debug)]
 #[repr(C, align(8))]
 pub struct Q8x32 {
     pub d: f32,
     pub s: f32,
+    pub sum: i32,
     pub qs: [i8; 32],
 }
 
@@ -34,7 +36,7 @@ pub struct Q8x256 {
 
 impl Default for Q8x32 {
     fn default() -> Self {
-        Self { d: 0.0, s: 0.0, qs: [0; 32] }
+        Self { d: 0.0, s: 0.0, sum: 0, qs: [0; 32] }
     }
 }
 
@@ -104,6 +106,7 @@ fn quantize_q8x32_body(x: &[f32], out: &mut [Q8x32]) {
         }
         q.d = f16::from_f32(d).to_f32();
         q.s = f16::from_f32(d * sum as f32).to_f32();
+        q.sum = sum;
     }
 }
 
@@ -285,6 +288,8 @@ pub struct Kernels {
     pub q6_k_pairs: Q256Pairs,
     /// The K-quants' prefill kernel over unpacked rows ([`super::tile`]), where there is one.
     pub k_tile: Option<super::tile::TileKernel>,
+    /// The same for Q4_0, Q4_1 and Q8_0.
+    pub tile32: Option<super::tile::Tile32Kernel>,
 }
 
 /// A scalar row kernel applied to each of the rows.
@@ -340,6 +345,7 @@ impl Kernels {
         q5_k_pairs: each_row_pair!(scalar::q5_k, 176),
         q6_k_pairs: each_row_pair!(scalar::q6_k, 210),
         k_tile: None,
+        tile32: None,
     };
 
     /// The one-token and two-token kernels of unquantized rows (F32, F16, BF16).

@@ -1,11 +1,12 @@
 //! Weight matrices kept in their file's block layout, and their products with activations.
 
+use std::cell::RefCell;
 use std::ops::Deref;
 use std::sync::{Arc, OnceLock};
 
 use super::dot::{activation_kind, quantize_q8x256, quantize_q8x32, ActivationKind, Kernels, Q8x256, Q8x32};
 use super::team::Team;
-use super::tile::{combine, unpack, Combine, KBlock8, TileKernel, ROWS, TOKENS};
+use super::tile::{combine, combine32, unpack, unpack32, KBlock8, QBlock8, ROWS, TOKENS};
 use crate::quants::GgmlType;
 
 /// A matrix's bytes: a range of a memory-mapped model file (no copy; the page cache holds it
@@ -126,21 +127,27 @@ fn block_dot<'s, A: Sync>(
     })
 }
 
-/// Tokens from which a K-quant product unpacks its rows once into tiles ([`super::tile`]);
-/// below, the row kernels' unpacking per pair of tokens costs less.
+/// Tokens from which a product unpacks its rows once into tiles ([`super::tile`]); below, the
+/// row kernels' unpacking per pair of tokens costs less.
 const TILE_MIN_TOKENS: usize = 4;
+
+/// Whether a product of `ty` weights with `tokens` tokens goes through unpacked tiles.
+fn tiled(kernels: &Kernels, ty: GgmlType, tokens: usize) -> bool {
+    tokens >= TILE_MIN_TOKENS && ((kernels.k_tile.is_some() && combine(ty).is_some()) || (kernels.tile32.is_some() && combine32(ty).is_some()))
+}
 
 /// How the tasks of one product compute their rows.
 enum Product<'s> {
     /// Rows 1 to 4 and tokens 1 or 2 at a time (decode, short prefills, other types).
     Rows(Box<dyn Fn(usize, usize, usize, &mut [f32]) + Sync + 's>),
-    /// Rows unpacked 8 at a time, then multiplied with the tokens 4 at a time.
-    Tiled { m: &'s PackedMatrix, a: &'s [Q8x256], kernel: TileKernel, combine: Combine },
+    /// Rows unpacked 8 at a time, then multiplied with the tokens 4 at a time: the task.
+    Tiled(Box<dyn Fn(SharedPtr<f32>, usize, usize) + Sync + 's>),
 }
 
 thread_local! {
     /// Each thread's unpacked rows, kept between products (they are a few tens of KiB).
-    static TILE: std::cell::RefCell<Vec<KBlock8>> = const { std::cell::RefCell::new(Vec::new()) };
+    static TILE: RefCell<Vec<KBlock8>> = const { RefCell::new(Vec::new()) };
+    static TILE32: RefCell<Vec<QBlock8>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Several products of the same activations (q, k and v; gate and up) in one parallel step of
@@ -154,14 +161,26 @@ pub fn multiply_all(products: &mut [(&PackedMatrix, &mut [f32])], x: &Activation
         let m: &PackedMatrix = m;
         assert_eq!(out.len(), tokens * m.rows);
         let mut tile = tile_rows(m.rows, tokens, m.cols, team.threads());
-        let product = match (kernels.k_tile, combine(m.ty)) {
-            (Some(kernel), Some(combine)) if tokens >= TILE_MIN_TOKENS => {
-                assert_eq!(x.cols, m.cols, "activations have {} columns, the weights {}", x.cols, m.cols);
-                tile = tile.next_multiple_of(ROWS);
-                Product::Tiled { m, a: x.q8x256(team), kernel, combine }
+        assert_eq!(x.cols, m.cols, "activations have {} columns, the weights {}", x.cols, m.cols);
+        let product = match (kernels.k_tile, combine(m.ty), kernels.tile32, combine32(m.ty)) {
+            _ if !tiled(kernels, m.ty, tokens) => Product::Rows(m.rows_dot(x, team)),
+            (Some(kernel), Some(combine), _, _) => {
+                let a = x.q8x256(team);
+                Product::Tiled(Box::new(move |out, first, last| {
+                    tiled_task(&TILE, m, a, 256, |w, n, tile| unpack(m.ty, w, m.row_bytes, n, tile), |tile, a, sums| kernel(tile, a, combine, sums), out, tokens, first, last)
+                }))
             }
-            _ => Product::Rows(m.rows_dot(x, team)),
+            (_, _, Some(kernel), Some(combine)) => {
+                let a = x.q8x32(team);
+                Product::Tiled(Box::new(move |out, first, last| {
+                    tiled_task(&TILE32, m, a, 32, |w, n, tile| unpack32(m.ty, w, m.row_bytes, n, tile), |tile, a, sums| kernel(tile, a, combine, sums), out, tokens, first, last)
+                }))
+            }
+            _ => unreachable!("tiled() says which products have a tile kernel"),
         };
+        if let Product::Tiled(_) = product {
+            tile = tile.next_multiple_of(ROWS);
+        }
         plans.push((product, SharedPtr(out.as_mut_ptr()), m.rows));
         tasks.extend((0..m.rows.div_ceil(tile)).map(|k| (i, k * tile, ((k + 1) * tile).min(m.rows))));
     }
@@ -172,7 +191,7 @@ pub fn multiply_all(products: &mut [(&PackedMatrix, &mut [f32])], x: &Activation
         let (product, out, rows) = &plans[i];
         match product {
             Product::Rows(dot) => rows_task(dot, *out, *rows, tokens, first, last),
-            Product::Tiled { m, a, kernel, combine } => tiled_task(m, a, *kernel, *combine, *out, tokens, first, last),
+            Product::Tiled(task) => task(*out, first, last),
         }
     });
 }
@@ -200,25 +219,37 @@ fn rows_task(dot: &dyn Fn(usize, usize, usize, &mut [f32]), out: SharedPtr<f32>,
     }
 }
 
-/// Rows `first..last` of a K-quant product for every token: 8 rows unpacked at a time, then
-/// multiplied with the tokens 4 at a time while they sit in the L1/L2 cache.
+/// Rows `first..last` of a product for every token: 8 rows unpacked at a time (`unpack(rows,
+/// count, tile)`, into this thread's `scratch`), then multiplied with the tokens 4 at a time while
+/// they sit in the L1/L2 cache (`kernel(tile, tokens' activations, sums)`).
 #[allow(clippy::too_many_arguments)]
-fn tiled_task(m: &PackedMatrix, a: &[Q8x256], kernel: TileKernel, combine: Combine, out: SharedPtr<f32>, tokens: usize, first: usize, last: usize) {
-    let per = m.cols / 256;
-    TILE.with(|tile| {
+fn tiled_task<B: Default + Clone + 'static, A>(
+    scratch: &'static std::thread::LocalKey<RefCell<Vec<B>>>,
+    m: &PackedMatrix,
+    a: &[A],
+    block: usize,
+    unpack: impl Fn(&[u8], usize, &mut [B]),
+    kernel: impl Fn(&[B], &[&[A]], &mut [[f32; ROWS]; TOKENS]),
+    out: SharedPtr<f32>,
+    tokens: usize,
+    first: usize,
+    last: usize,
+) {
+    let per = m.cols / block;
+    scratch.with(|tile| {
         let mut tile = tile.borrow_mut();
         if tile.len() < per {
-            tile.resize(per, KBlock8::default());
+            tile.resize(per, B::default());
         }
         let tile = &mut tile[..per];
         for r in (first..last).step_by(ROWS) {
             let n = (last - r).min(ROWS);
-            unpack(m.ty, &m.data[r * m.row_bytes..(r + n) * m.row_bytes], m.row_bytes, n, tile);
+            unpack(&m.data[r * m.row_bytes..(r + n) * m.row_bytes], n, tile);
             for t in (0..tokens).step_by(TOKENS) {
                 let k = (tokens - t).min(TOKENS);
-                let token: [&[Q8x256]; TOKENS] = std::array::from_fn(|j| &a[(t + j).min(tokens - 1) * per..][..per]);
+                let token: [&[A]; TOKENS] = std::array::from_fn(|j| &a[(t + j).min(tokens - 1) * per..][..per]);
                 let mut sums = [[0f32; ROWS]; TOKENS];
-                kernel(tile, &token[..k], combine, &mut sums);
+                kernel(tile, &token[..k], &mut sums);
                 for (j, sums) in sums[..k].iter().enumerate() {
                     // SAFETY: rows r..r + n of token t + j belong to this task alone, inside the
                     // product's `out`.
@@ -323,6 +354,39 @@ mod tests {
                 for (r, want) in reference.iter().enumerate() {
                     let got = out[t * rows + r];
                     assert!((got - want).abs() <= 1e-4 * want.abs().max(1.0), "{} token {t} row {r}: {got} vs {want}", m.ty);
+                }
+            }
+        }
+    }
+
+    /// A prefill's products (tokens in fours and a remainder, rows in eights and a remainder,
+    /// through the unpacked tiles where this processor has them, on the pool's threads) equal
+    /// the scalar row reference bit for bit, for every packed type.
+    #[test]
+    fn prefill_products_equal_the_reference_exactly() {
+        use crate::cpu::conformance::{activations, blocks, Blocks, TYPES};
+        use rand::SeedableRng;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
+        let (rows, tokens) = (21, 7);
+        for &(ty, scale_at) in TYPES {
+            let cols = 2 * 256;
+            let per_row = cols / ty.block_elements();
+            let w = blocks(ty, scale_at, rows * per_row, Blocks::Random, &mut rng);
+            let m = PackedMatrix::new(ty, rows, cols, Bytes::Owned(w)).unwrap();
+            let x: Vec<f32> = (0..tokens).flat_map(|_| activations(cols, &mut rng)).collect();
+            let mut out = vec![0f32; tokens * rows];
+            Team::run(|team| m.multiply(&Activations::new(&x, tokens, cols), &mut out, team));
+            for t in 0..tokens {
+                for r in 0..rows {
+                    let mut want = [0f32];
+                    crate::cpu::conformance::rows_with(&Kernels::SCALAR, ty, m.row(r), m.row_bytes, &x[t * cols..(t + 1) * cols], &mut want);
+                    let got = out[t * rows + r];
+                    if tiled(Kernels::detect(), ty, tokens) {
+                        assert!(got == want[0], "{ty} token {t} row {r}: {got} vs {}", want[0]);
+                    } else {
+                        // The row kernels add in another order than the reference.
+                        assert!((got - want[0]).abs() <= 1e-4 * want[0].abs().max(1.0), "{ty} token {t} row {r}: {got} vs {}", want[0]);
+                    }
                 }
             }
         }

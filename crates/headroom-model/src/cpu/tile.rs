@@ -1,5 +1,8 @@
-//! Prefill products of the K-quants (Q4_K, Q5_K, Q6_K): eight weight rows unpacked once into a
-//! layout whose vector lanes are the rows, then multiplied against every token of the prefill.
+//! Prefill products of the packed types: eight weight rows unpacked once into a layout whose
+//! vector lanes are the rows, then multiplied against every token of the prefill. The K-quants
+//! (Q4_K, Q5_K, Q6_K) unpack into [`KBlock8`]; the 32-value types (Q4_0, Q4_1, Q8_0) into
+//! [`QBlock8`], whose per-block float scale otherwise costs a row kernel as much as its integer
+//! work.
 //!
 //! The row kernels of [`super::dot`] unpack a super-block (nibbles, fifth or sixth bits, the
 //! packed 6-bit scales) for every pair of tokens and sum each row across vector lanes at the end;
@@ -16,7 +19,7 @@
 
 use half::f16;
 
-use super::dot::{scales_mins_k4, Q8x256};
+use super::dot::{scales_mins_k4, Q8x256, Q8x32};
 use crate::quants::GgmlType;
 
 /// Rows per [`KBlock8`]: the lanes of one 256-bit vector of i32.
@@ -192,6 +195,165 @@ pub fn scalar(blocks: &[KBlock8], a: &[&[Q8x256]], combine: Combine, out: &mut [
     }
 }
 
+/// One 32-column block of 8 rows of Q4_0, Q4_1 or Q8_0, unpacked to unsigned bytes.
+#[derive(Clone, Copy)]
+#[repr(C, align(32))]
+pub struct QBlock8 {
+    /// `q[g][4r + i]`: row `r`'s quant of column `4g + i` plus the type's offset, so unsigned
+    /// (Q4_0, Q4_1: the nibble; Q8_0: the signed byte + 128).
+    pub q: [[u8; 32]; 8],
+    pub d: [f32; ROWS],
+    /// Q4_1's minimum (zero otherwise).
+    pub m: [f32; ROWS],
+}
+
+impl Default for QBlock8 {
+    fn default() -> Self {
+        Self { q: [[0; 32]; 8], d: [0.0; ROWS], m: [0.0; ROWS] }
+    }
+}
+
+/// How a 32-value type's sums combine, in the scalar reference's order.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Combine32 {
+    /// Q4_0 (8), Q8_0 (128): the unsigned quants' offset times the activations' sum is
+    /// subtracted in integers, then `d · d_act · Σ`.
+    Offset(i32),
+    /// Q4_1: `d · d_act · Σ + m · s_act`.
+    Min,
+}
+
+/// Whether [`unpack32`] takes `ty`, and how its sums combine.
+pub fn combine32(ty: GgmlType) -> Option<Combine32> {
+    match ty {
+        GgmlType::Q4_0 => Some(Combine32::Offset(8)),
+        GgmlType::Q8_0 => Some(Combine32::Offset(128)),
+        GgmlType::Q4_1 => Some(Combine32::Min),
+        _ => None,
+    }
+}
+
+/// Unpacks rows `w` (`rows` ≤ 8 of them, `row_bytes` apart, each `out.len()` blocks of `ty`)
+/// into `out`; lanes past `rows` are zero.
+pub fn unpack32(ty: GgmlType, w: &[u8], row_bytes: usize, rows: usize, out: &mut [QBlock8]) {
+    assert!(rows <= ROWS && rows >= 1);
+    let size = ty.block_bytes();
+    assert!(w.len() >= (rows - 1) * row_bytes + out.len() * size);
+    // The negative control of the tile check: Q4_0's nibbles taken as signed −8..7 by the
+    // unpacking as well as by the offset.
+    let twice_offset = crate::test_defect("tile-q4-0-offset");
+    for (i, blk) in out.iter_mut().enumerate() {
+        if rows < ROWS {
+            *blk = QBlock8::default();
+        }
+        for r in 0..rows {
+            let b = &w[r * row_bytes + i * size..r * row_bytes + (i + 1) * size];
+            let mut put = |column: usize, quads: u32| blk.q[column / 4][4 * r..4 * r + 4].copy_from_slice(&quads.to_le_bytes());
+            blk.d[r] = f16_at(b, 0);
+            match ty {
+                GgmlType::Q4_0 | GgmlType::Q4_1 => {
+                    let qs = if ty == GgmlType::Q4_0 { &b[2..18] } else { &b[4..20] };
+                    let shift = if twice_offset && ty == GgmlType::Q4_0 { 0x0808_0808 } else { 0 };
+                    for l in (0..16).step_by(4) {
+                        let x = u32_at(qs, l);
+                        put(l, (x & 0x0f0f_0f0f) ^ shift);
+                        put(16 + l, ((x >> 4) & 0x0f0f_0f0f) ^ shift);
+                    }
+                    blk.m[r] = if ty == GgmlType::Q4_1 { f16_at(b, 2) } else { 0.0 };
+                }
+                GgmlType::Q8_0 => {
+                    for l in (0..32).step_by(4) {
+                        put(l, u32_at(b, 2 + l) ^ 0x8080_8080);
+                    }
+                    blk.m[r] = 0.0;
+                }
+                _ => panic!("{ty} is not a 32-value block type"),
+            }
+        }
+    }
+}
+
+/// `out[t][r]` = row `r` of `blocks` times token `t` (`a[t]`, one activation block per block),
+/// for 1 to [`TOKENS`] tokens.
+pub type Tile32Kernel = fn(blocks: &[QBlock8], a: &[&[Q8x32]], combine: Combine32, out: &mut [[f32; ROWS]; TOKENS]);
+
+/// The scalar form of the 32-value kernel.
+pub fn scalar32(blocks: &[QBlock8], a: &[&[Q8x32]], combine: Combine32, out: &mut [[f32; ROWS]; TOKENS]) {
+    for (t, a) in a.iter().enumerate() {
+        for r in 0..ROWS {
+            let mut sum = 0f32;
+            for (blk, a) in blocks.iter().zip(a.iter()) {
+                let isum: i32 = (0..32).map(|c| blk.q[c / 4][4 * r + c % 4] as i32 * a.qs[c] as i32).sum();
+                sum += match combine {
+                    Combine32::Offset(offset) => blk.d[r] * a.d * (isum - offset * a.sum) as f32,
+                    Combine32::Min => blk.d[r] * a.d * isum as f32 + blk.m[r] * a.s,
+                };
+            }
+            out[t][r] = sum;
+        }
+    }
+}
+
+/// The 32-value kernel with AVX-512 VNNI (`vpdpbusd` on 256-bit vectors): one instruction per 4
+/// columns of 8 rows and a token.
+#[cfg(target_arch = "x86_64")]
+pub(super) mod vnni {
+    #![allow(unsafe_op_in_unsafe_fn)]
+    use std::arch::x86_64::*;
+
+    use super::*;
+
+    pub fn kernel32(blocks: &[QBlock8], a: &[&[Q8x32]], combine: Combine32, out: &mut [[f32; ROWS]; TOKENS]) {
+        for a in a {
+            assert!(a.len() >= blocks.len());
+        }
+        // SAFETY: this kernel is only in the set of processors with AVX-512 VL and VNNI; every
+        // token has an activation block per block (checked above).
+        unsafe {
+            match a.len() {
+                1 => tokens::<1>(blocks, a, combine, out),
+                2 => tokens::<2>(blocks, a, combine, out),
+                3 => tokens::<3>(blocks, a, combine, out),
+                4 => tokens::<4>(blocks, a, combine, out),
+                n => panic!("1 to {TOKENS} tokens per call, not {n}"),
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    unsafe fn tokens<const T: usize>(blocks: &[QBlock8], a: &[&[Q8x32]], combine: Combine32, out: &mut [[f32; ROWS]; TOKENS]) {
+        let mut sum = [_mm256_setzero_ps(); T];
+        for (i, blk) in blocks.iter().enumerate() {
+            let ab: [&Q8x32; T] = std::array::from_fn(|t| a[t].get_unchecked(i));
+            let q = blk.q.as_ptr() as *const __m256i;
+            let mut isum = [_mm256_setzero_si256(); T];
+            for g in 0..8 {
+                let w = _mm256_load_si256(q.add(g));
+                for t in 0..T {
+                    let y = _mm256_set1_epi32(std::ptr::read_unaligned(ab[t].qs.as_ptr().add(4 * g) as *const i32));
+                    isum[t] = _mm256_dpbusd_epi32(isum[t], w, y);
+                }
+            }
+            let d = _mm256_load_ps(blk.d.as_ptr());
+            // The scalar reference's float steps, lane by lane (no fused multiply-adds).
+            for t in 0..T {
+                let scale = _mm256_mul_ps(d, _mm256_set1_ps(ab[t].d));
+                let part = match combine {
+                    Combine32::Offset(offset) => _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[t], _mm256_set1_epi32(offset * ab[t].sum)))),
+                    Combine32::Min => _mm256_add_ps(
+                        _mm256_mul_ps(scale, _mm256_cvtepi32_ps(isum[t])),
+                        _mm256_mul_ps(_mm256_load_ps(blk.m.as_ptr()), _mm256_set1_ps(ab[t].s)),
+                    ),
+                };
+                sum[t] = _mm256_add_ps(sum[t], part);
+            }
+        }
+        for t in 0..T {
+            _mm256_storeu_ps(out[t].as_mut_ptr(), sum[t]);
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 pub(super) mod avx2 {
     #![allow(unsafe_op_in_unsafe_fn)]
@@ -282,7 +444,7 @@ pub(super) mod avx2 {
 mod tests {
     use super::*;
     use crate::cpu::conformance::{activations, blocks, Blocks, TYPES};
-    use crate::cpu::dot::{quantize_q8x256, Kernels};
+    use crate::cpu::dot::{quantize_q8x256, quantize_q8x32, Kernels};
     use rand::SeedableRng;
 
     /// Unpacked rows times tokens, through the scalar tile kernel and every SIMD one this
@@ -332,6 +494,66 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The same for the 32-value types and their kernels.
+    #[test]
+    fn tiles32_equal_the_scalar_reference_exactly() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(6);
+        let mut kernels: Vec<(&str, Tile32Kernel)> = vec![("scalar", scalar32)];
+        kernels.extend(Kernels::available().iter().filter_map(|k| k.tile32.map(|f| (k.name, f))));
+        for &(ty, scale_at) in TYPES {
+            let Some(combine) = combine32(ty) else { continue };
+            for kind in [Blocks::Random, Blocks::Zero, Blocks::Max] {
+                let n_blocks = 5;
+                let (cols, row_bytes) = (n_blocks * 32, n_blocks * ty.block_bytes());
+                let w = blocks(ty, scale_at, ROWS * n_blocks, kind, &mut rng);
+                let a: Vec<Vec<Q8x32>> = (0..TOKENS)
+                    .map(|_| {
+                        let mut a = vec![Q8x32::default(); n_blocks];
+                        quantize_q8x32(&activations(cols, &mut rng), &mut a);
+                        a
+                    })
+                    .collect();
+                for rows in [1, 3, 8] {
+                    let mut tile = vec![QBlock8::default(); n_blocks];
+                    unpack32(ty, &w, row_bytes, rows, &mut tile);
+                    for tokens in 1..=TOKENS {
+                        let refs: Vec<&[Q8x32]> = a[..tokens].iter().map(|a| a.as_slice()).collect();
+                        for (name, kernel) in &kernels {
+                            let mut out = [[f32::NAN; ROWS]; TOKENS];
+                            kernel(&tile, &refs, combine, &mut out);
+                            for t in 0..tokens {
+                                for r in 0..ROWS {
+                                    let want = if r < rows {
+                                        let mut o = [0f32];
+                                        Kernels::SCALAR.q8x32_kernels(ty).0(&w[r * row_bytes..(r + 1) * row_bytes], row_bytes, &a[t], &mut o);
+                                        o[0]
+                                    } else {
+                                        0.0
+                                    };
+                                    assert!(out[t][r] == want, "{name} {ty} row {r} of {rows}, token {t} of {tokens}: {} vs {want}", out[t][r]);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The check above fails when Q4_0's nibbles are unpacked as if already signed
+    /// (`HEADROOM_TEST_DEFECT=tile-q4-0-offset`, in a child process).
+    #[test]
+    fn the_negative_control_of_the_tile32_check_fails() {
+        let output = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "cpu::tile::tests::tiles32_equal_the_scalar_reference_exactly", "--test-threads", "1"])
+            .env("HEADROOM_TEST_DEFECT", "tile-q4-0-offset")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(!output.status.success() && stdout.contains("1 failed"), "with the defect the check still passed: {stdout}");
+        assert!(stdout.contains("Q4_0"), "it failed on something else: {stdout}");
     }
 
     /// The check above fails when Q6_K's −32 offset is left out of the unpacked rows
