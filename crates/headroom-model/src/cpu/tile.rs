@@ -440,6 +440,85 @@ pub(super) mod avx2 {
     }
 }
 
+/// The 32-value kernel with AVX2 alone: the nibble types' unsigned quants with `maddubs`
+/// (eight blocks' pairs fit an i16 before one `madd`); Q8_0's bytes back to signed, multiplied
+/// as |w| × (a with w's sign), which needs no offset.
+#[cfg(target_arch = "x86_64")]
+pub(super) mod avx2_32 {
+    #![allow(unsafe_op_in_unsafe_fn)]
+    use std::arch::x86_64::*;
+
+    use super::*;
+
+    pub fn kernel32(blocks: &[QBlock8], a: &[&[Q8x32]], combine: Combine32, out: &mut [[f32; ROWS]; TOKENS]) {
+        for a in a {
+            assert!(a.len() >= blocks.len());
+        }
+        // SAFETY: this kernel is only in the sets of processors with AVX2, FMA and F16C; every
+        // token has an activation block per block (checked above).
+        unsafe {
+            match a.len() {
+                1 => tokens::<1>(blocks, a, combine, out),
+                2 => tokens::<2>(blocks, a, combine, out),
+                3 => tokens::<3>(blocks, a, combine, out),
+                4 => tokens::<4>(blocks, a, combine, out),
+                n => panic!("1 to {TOKENS} tokens per call, not {n}"),
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tokens<const T: usize>(blocks: &[QBlock8], a: &[&[Q8x32]], combine: Combine32, out: &mut [[f32; ROWS]; TOKENS]) {
+        let ones = _mm256_set1_epi16(1);
+        let signed = combine == Combine32::Offset(128);
+        let mut sum = [_mm256_setzero_ps(); T];
+        for (i, blk) in blocks.iter().enumerate() {
+            let ab: [&Q8x32; T] = std::array::from_fn(|t| a[t].get_unchecked(i));
+            let q = blk.q.as_ptr() as *const __m256i;
+            let y = |t: usize, g: usize| _mm256_set1_epi32(std::ptr::read_unaligned(ab[t].qs.as_ptr().add(4 * g) as *const i32));
+            let mut isum = [_mm256_setzero_si256(); T];
+            if signed {
+                for g in 0..8 {
+                    let w = _mm256_xor_si256(_mm256_load_si256(q.add(g)), _mm256_set1_epi8(-128));
+                    let magnitude = _mm256_sign_epi8(w, w);
+                    for t in 0..T {
+                        let p = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(y(t, g), w));
+                        isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(p, ones));
+                    }
+                }
+            } else {
+                let mut pairs = [_mm256_setzero_si256(); T];
+                for g in 0..8 {
+                    let w = _mm256_load_si256(q.add(g));
+                    for t in 0..T {
+                        pairs[t] = _mm256_add_epi16(pairs[t], _mm256_maddubs_epi16(w, y(t, g)));
+                    }
+                }
+                for t in 0..T {
+                    isum[t] = _mm256_madd_epi16(pairs[t], ones);
+                }
+            }
+            let d = _mm256_load_ps(blk.d.as_ptr());
+            // The scalar reference's float steps, lane by lane (no fused multiply-adds).
+            for t in 0..T {
+                let scale = _mm256_mul_ps(d, _mm256_set1_ps(ab[t].d));
+                let part = match combine {
+                    Combine32::Offset(_) if signed => _mm256_mul_ps(scale, _mm256_cvtepi32_ps(isum[t])),
+                    Combine32::Offset(offset) => _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[t], _mm256_set1_epi32(offset * ab[t].sum)))),
+                    Combine32::Min => _mm256_add_ps(
+                        _mm256_mul_ps(scale, _mm256_cvtepi32_ps(isum[t])),
+                        _mm256_mul_ps(_mm256_load_ps(blk.m.as_ptr()), _mm256_set1_ps(ab[t].s)),
+                    ),
+                };
+                sum[t] = _mm256_add_ps(sum[t], part);
+            }
+        }
+        for t in 0..T {
+            _mm256_storeu_ps(out[t].as_mut_ptr(), sum[t]);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
