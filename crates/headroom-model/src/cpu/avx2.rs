@@ -34,6 +34,7 @@ pub const KERNELS: Kernels = Kernels {
     q6_k_pairs: |w, rb, a, out| unsafe { by_rows(out.len() / 2, |n| q6_k(n, w, rb, a, out)) },
     k_tile: Some(super::tile::avx2::kernel),
     tile32: Some(super::tile::avx2_32::kernel32),
+    float_tile: Some((super::tile::avx2_float::unpack, super::tile::avx2_float::kernel)),
 };
 
 /// Runs `kernel` with the row count as a compile-time constant (1 to 4).

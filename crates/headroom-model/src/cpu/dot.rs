@@ -290,6 +290,8 @@ pub struct Kernels {
     pub k_tile: Option<super::tile::TileKernel>,
     /// The same for Q4_0, Q4_1 and Q8_0.
     pub tile32: Option<super::tile::Tile32Kernel>,
+    /// The same for F32, F16 and BF16 rows: their widening into columns, and the kernel.
+    pub float_tile: Option<(super::tile::FloatUnpack, super::tile::FloatTileKernel)>,
 }
 
 /// A scalar row kernel applied to each of the rows.
@@ -346,6 +348,7 @@ impl Kernels {
         q6_k_pairs: each_row_pair!(scalar::q6_k, 210),
         k_tile: None,
         tile32: None,
+        float_tile: None,
     };
 
     /// The one-token and two-token kernels of unquantized rows (F32, F16, BF16).

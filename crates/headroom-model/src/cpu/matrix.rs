@@ -6,7 +6,7 @@ use std::sync::{Arc, OnceLock};
 
 use super::dot::{activation_kind, quantize_q8x256, quantize_q8x32, ActivationKind, Kernels, Q8x256, Q8x32};
 use super::team::Team;
-use super::tile::{combine, combine32, unpack, unpack32, KBlock8, QBlock8, ROWS, TOKENS};
+use super::tile::{combine, combine32, unpack, unpack32, FColumn8, KBlock8, QBlock8, ROWS, TOKENS};
 use crate::quants::GgmlType;
 
 /// A matrix's bytes: a range of a memory-mapped model file (no copy; the page cache holds it
@@ -133,7 +133,10 @@ const TILE_MIN_TOKENS: usize = 4;
 
 /// Whether a product of `ty` weights with `tokens` tokens goes through unpacked tiles.
 fn tiled(kernels: &Kernels, ty: GgmlType, tokens: usize) -> bool {
-    tokens >= TILE_MIN_TOKENS && ((kernels.k_tile.is_some() && combine(ty).is_some()) || (kernels.tile32.is_some() && combine32(ty).is_some()))
+    tokens >= TILE_MIN_TOKENS
+        && ((kernels.k_tile.is_some() && combine(ty).is_some())
+            || (kernels.tile32.is_some() && combine32(ty).is_some())
+            || (kernels.float_tile.is_some() && activation_kind(ty) == Some(ActivationKind::F32)))
 }
 
 /// How the tasks of one product compute their rows.
@@ -148,6 +151,7 @@ thread_local! {
     /// Each thread's unpacked rows, kept between products (they are a few tens of KiB).
     static TILE: RefCell<Vec<KBlock8>> = const { RefCell::new(Vec::new()) };
     static TILE32: RefCell<Vec<QBlock8>> = const { RefCell::new(Vec::new()) };
+    static FLOAT_TILE: RefCell<Vec<FColumn8>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Several products of the same activations (q, k and v; gate and up) in one parallel step of
@@ -164,6 +168,13 @@ pub fn multiply_all(products: &mut [(&PackedMatrix, &mut [f32])], x: &Activation
         assert_eq!(x.cols, m.cols, "activations have {} columns, the weights {}", x.cols, m.cols);
         let product = match (kernels.k_tile, combine(m.ty), kernels.tile32, combine32(m.ty)) {
             _ if !tiled(kernels, m.ty, tokens) => Product::Rows(m.rows_dot(x, team)),
+            _ if activation_kind(m.ty) == Some(ActivationKind::F32) => {
+                let (unpack, kernel) = kernels.float_tile.expect("tiled() checked it");
+                let a = x.values;
+                Product::Tiled(Box::new(move |out, first, last| {
+                    tiled_task(&FLOAT_TILE, m, a, 1, |w, n, tile| unpack(m.ty, w, m.row_bytes, n, tile), kernel, out, tokens, first, last)
+                }))
+            }
             (Some(kernel), Some(combine), _, _) => {
                 let a = x.q8x256(team);
                 Product::Tiled(Box::new(move |out, first, last| {
@@ -368,10 +379,21 @@ mod tests {
         use rand::SeedableRng;
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
         let (rows, tokens) = (21, 7);
-        for &(ty, scale_at) in TYPES {
+        let floats = [GgmlType::F32, GgmlType::F16, GgmlType::BF16].map(|ty| (ty, &[][..]));
+        for &(ty, scale_at) in TYPES.iter().chain(&floats) {
             let cols = 2 * 256;
-            let per_row = cols / ty.block_elements();
-            let w = blocks(ty, scale_at, rows * per_row, Blocks::Random, &mut rng);
+            let w = match ty {
+                GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
+                    use rand::Rng;
+                    let values: Vec<f32> = (0..rows * cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+                    match ty {
+                        GgmlType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>(),
+                        GgmlType::F16 => values.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect(),
+                        _ => values.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect(),
+                    }
+                }
+                _ => blocks(ty, scale_at, rows * cols / ty.block_elements(), Blocks::Random, &mut rng),
+            };
             let m = PackedMatrix::new(ty, rows, cols, Bytes::Owned(w)).unwrap();
             let x: Vec<f32> = (0..tokens).flat_map(|_| activations(cols, &mut rng)).collect();
             let mut out = vec![0f32; tokens * rows];
@@ -381,11 +403,12 @@ mod tests {
                     let mut want = [0f32];
                     crate::cpu::conformance::rows_with(&Kernels::SCALAR, ty, m.row(r), m.row_bytes, &x[t * cols..(t + 1) * cols], &mut want);
                     let got = out[t * rows + r];
-                    if tiled(Kernels::detect(), ty, tokens) {
+                    if tiled(Kernels::detect(), ty, tokens) && activation_kind(ty) != Some(ActivationKind::F32) {
                         assert!(got == want[0], "{ty} token {t} row {r}: {got} vs {}", want[0]);
                     } else {
-                        // The row kernels add in another order than the reference.
-                        assert!((got - want[0]).abs() <= 1e-4 * want[0].abs().max(1.0), "{ty} token {t} row {r}: {got} vs {}", want[0]);
+                        // The row kernels and the float tiles add in another order than the
+                        // reference.
+                        assert!((got - want[0]).abs() <= 1e-4 * want[0].abs().max(cols as f32 / 10.0), "{ty} token {t} row {r}: {got} vs {}", want[0]);
                     }
                 }
             }

@@ -38,6 +38,7 @@ pub const KERNELS: Kernels = Kernels {
     q6_k_pairs: each_row_pair!(q6_k, 210),
     k_tile: None,
     tile32: None,
+    float_tile: None,
 };
 
 /// Σ x·y of 16 signed bytes, in four i32 lanes (products fit i16: |x·y| ≤ 128²).

@@ -519,6 +519,139 @@ pub(super) mod avx2_32 {
     }
 }
 
+/// One column of 8 unquantized rows, widened to f32 (F32, F16 and BF16 weights share it).
+#[derive(Clone, Copy, Default)]
+#[repr(C, align(32))]
+pub struct FColumn8(pub [f32; ROWS]);
+
+/// Unpacks `rows` (≤ 8) F32, F16 or BF16 rows `w` (`row_bytes` apart, `out.len()` columns)
+/// into columns of 8; lanes past `rows` are zero.
+pub type FloatUnpack = fn(ty: GgmlType, w: &[u8], row_bytes: usize, rows: usize, out: &mut [FColumn8]);
+
+/// `out[t][r]` = row `r` of the columns times token `t` (`x[t]`, f32), 1 to [`TOKENS`] tokens.
+/// Unlike the packed types' tiles, the float sums are added in another order than the row
+/// kernels' (columns in two chains per lane instead of eight lanes per row), so they agree with
+/// the reference within rounding only.
+pub type FloatTileKernel = fn(columns: &[FColumn8], x: &[&[f32]], out: &mut [[f32; ROWS]; TOKENS]);
+
+/// The unquantized tile with AVX2 and FMA: rows widened with F16C (or a shift for BF16) once,
+/// then one fused multiply-add per column, 8 rows and token.
+#[cfg(target_arch = "x86_64")]
+pub(super) mod avx2_float {
+    #![allow(unsafe_op_in_unsafe_fn)]
+    use std::arch::x86_64::*;
+
+    use super::*;
+
+    pub fn unpack(ty: GgmlType, w: &[u8], row_bytes: usize, rows: usize, out: &mut [FColumn8]) {
+        let elem = match ty {
+            GgmlType::F32 => 4,
+            GgmlType::F16 | GgmlType::BF16 => 2,
+            _ => panic!("{ty} is not an unquantized type"),
+        };
+        assert!((1..=ROWS).contains(&rows));
+        assert!(w.len() >= (rows - 1) * row_bytes + out.len() * elem);
+        // SAFETY: this unpacking is only in the sets of processors with AVX2 and F16C; every row
+        // holds `out.len()` values (checked above).
+        unsafe { widen(ty, w, row_bytes, rows, out) }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn widen(ty: GgmlType, w: &[u8], row_bytes: usize, rows: usize, out: &mut [FColumn8]) {
+        // The negative control of the float tile check: BF16 widened one bit short.
+        let short = crate::test_defect("tile-bf16-widen");
+        let cols = out.len();
+        for c in out.iter_mut() {
+            *c = FColumn8::default();
+        }
+        for r in 0..rows {
+            let row = w.as_ptr().add(r * row_bytes);
+            let mut k = 0;
+            while k < cols {
+                let n = (cols - k).min(8);
+                let mut v = [0f32; 8];
+                if n == 8 {
+                    let values = match ty {
+                        GgmlType::F32 => _mm256_loadu_ps(row.add(4 * k) as *const f32),
+                        GgmlType::F16 => _mm256_cvtph_ps(_mm_loadu_si128(row.add(2 * k) as *const __m128i)),
+                        _ => {
+                            let wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(row.add(2 * k) as *const __m128i));
+                            _mm256_castsi256_ps(if short { _mm256_slli_epi32::<15>(wide) } else { _mm256_slli_epi32::<16>(wide) })
+                        }
+                    };
+                    _mm256_storeu_ps(v.as_mut_ptr(), values);
+                } else {
+                    for (j, v) in v[..n].iter_mut().enumerate() {
+                        let p = row.add(elem_bytes(ty) * (k + j));
+                        *v = match ty {
+                            GgmlType::F32 => (p as *const f32).read_unaligned(),
+                            GgmlType::F16 => half::f16::from_le_bytes([*p, *p.add(1)]).to_f32(),
+                            _ => half::bf16::from_le_bytes([*p, *p.add(1)]).to_f32(),
+                        };
+                    }
+                }
+                for (j, v) in v[..n].iter().enumerate() {
+                    out.get_unchecked_mut(k + j).0[r] = *v;
+                }
+                k += n;
+            }
+        }
+    }
+
+    fn elem_bytes(ty: GgmlType) -> usize {
+        if ty == GgmlType::F32 {
+            4
+        } else {
+            2
+        }
+    }
+
+    pub fn kernel(columns: &[FColumn8], x: &[&[f32]], out: &mut [[f32; ROWS]; TOKENS]) {
+        for x in x {
+            assert!(x.len() >= columns.len());
+        }
+        // SAFETY: this kernel is only in the sets of processors with AVX2 and FMA; every token
+        // has a value per column (checked above).
+        unsafe {
+            match x.len() {
+                1 => tokens::<1>(columns, x, out),
+                2 => tokens::<2>(columns, x, out),
+                3 => tokens::<3>(columns, x, out),
+                4 => tokens::<4>(columns, x, out),
+                n => panic!("1 to {TOKENS} tokens per call, not {n}"),
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tokens<const T: usize>(columns: &[FColumn8], x: &[&[f32]], out: &mut [[f32; ROWS]; TOKENS]) {
+        // Two chains per token (even and odd columns) keep both FMA units busy.
+        let mut even = [_mm256_setzero_ps(); T];
+        let mut odd = [_mm256_setzero_ps(); T];
+        let n = columns.len();
+        let c = columns.as_ptr() as *const f32;
+        let mut k = 0;
+        while k + 2 <= n {
+            let (w0, w1) = (_mm256_load_ps(c.add(8 * k)), _mm256_load_ps(c.add(8 * k + 8)));
+            for t in 0..T {
+                let xt = x.get_unchecked(t).as_ptr();
+                even[t] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(&*xt.add(k)), even[t]);
+                odd[t] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(&*xt.add(k + 1)), odd[t]);
+            }
+            k += 2;
+        }
+        if k < n {
+            let w0 = _mm256_load_ps(c.add(8 * k));
+            for t in 0..T {
+                even[t] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(&*x.get_unchecked(t).as_ptr().add(k)), even[t]);
+            }
+        }
+        for t in 0..T {
+            _mm256_storeu_ps(out[t].as_mut_ptr(), _mm256_add_ps(even[t], odd[t]));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -647,5 +780,63 @@ mod tests {
         let stdout = String::from_utf8_lossy(&output.stdout);
         assert!(!output.status.success() && stdout.contains("1 failed"), "with the defect the check still passed: {stdout}");
         assert!(stdout.contains("Q6_K"), "it failed on something else: {stdout}");
+    }
+
+    /// Unquantized rows (F32, F16, BF16; lengths with a remainder of 8) through every float
+    /// tile this processor has agree with the scalar reference within rounding, for 1 to 8 rows
+    /// and 1 to 4 tokens.
+    #[test]
+    fn float_tiles_equal_the_scalar_reference() {
+        use crate::cpu::conformance::{close, dot_with};
+        use half::{bf16, f16};
+        use rand::Rng;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(8);
+        for k in Kernels::available() {
+            let Some((unpack, kernel)) = k.float_tile else { continue };
+            for cols in [8, 13, 576] {
+                let x: Vec<Vec<f32>> = (0..TOKENS).map(|_| (0..cols).map(|_| rng.random_range(-1.0f32..1.0)).collect()).collect();
+                let values: Vec<f32> = (0..ROWS * cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+                let rows_of = |ty: GgmlType| -> Vec<u8> {
+                    match ty {
+                        GgmlType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                        GgmlType::F16 => values.iter().flat_map(|v| f16::from_f32(*v).to_le_bytes()).collect(),
+                        _ => values.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect(),
+                    }
+                };
+                for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16] {
+                    let w = rows_of(ty);
+                    let row_bytes = w.len() / ROWS;
+                    for rows in [1, 5, 8] {
+                        let mut columns = vec![FColumn8::default(); cols];
+                        unpack(ty, &w, row_bytes, rows, &mut columns);
+                        for tokens in 1..=TOKENS {
+                            let refs: Vec<&[f32]> = x[..tokens].iter().map(|x| x.as_slice()).collect();
+                            let mut out = [[f32::NAN; ROWS]; TOKENS];
+                            kernel(&columns, &refs, &mut out);
+                            for t in 0..tokens {
+                                for r in 0..ROWS {
+                                    let want = if r < rows { dot_with(&Kernels::SCALAR, ty, &w[r * row_bytes..(r + 1) * row_bytes], &x[t]) } else { 0.0 };
+                                    assert!(close(out[t][r], want, cols as f32), "{} {ty} {cols} columns, row {r} of {rows}, token {t}: {} vs {want}", k.name, out[t][r]);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The check above fails when BF16 rows are widened one bit short
+    /// (`HEADROOM_TEST_DEFECT=tile-bf16-widen`, in a child process).
+    #[test]
+    fn the_negative_control_of_the_float_tile_check_fails() {
+        let output = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "cpu::tile::tests::float_tiles_equal_the_scalar_reference", "--test-threads", "1"])
+            .env("HEADROOM_TEST_DEFECT", "tile-bf16-widen")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(!output.status.success() && stdout.contains("1 failed"), "with the defect the check still passed: {stdout}");
+        assert!(stdout.contains("BF16"), "it failed on something else: {stdout}");
     }
 }
