@@ -162,7 +162,10 @@ fn other_types_are_converted_once_and_stay_close() {
 }
 
 /// On the real default model (when installed): a prefill of the whole prompt gives the logits
-/// that feeding it one token at a time gives.
+/// that feeding it one token at a time gives — exactly with the scalar kernels (checked in a
+/// child process that picks them), and within the 8-bit activations' noise with the SIMD ones,
+/// whose prefill tiles add in the reference's order while their decode rows do not (a rounding
+/// difference that flips one activation's 8-bit rounding moves the logits by a few percent).
 #[test]
 fn prefill_equals_token_by_token_on_the_default_model() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
@@ -180,6 +183,19 @@ fn prefill_equals_token_by_token_on_the_default_model() {
     for &t in &prompt {
         alone = cpu.step(&[t], &mut one);
     }
-    let worst = worst_relative(&[together], &[alone]);
-    assert!(worst < 0.02, "prefill and token-by-token differ by {worst} of the largest logit");
+    let worst = worst_relative(&[together.clone()], &[alone.clone()]);
+    let argmax = |l: &[f32]| l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0;
+    if headroom_model::cpu::dot::Kernels::detect().name == "scalar" {
+        assert_eq!(worst, 0.0, "with the scalar kernels, prefill and token-by-token differ by {worst} of the largest logit");
+        return;
+    }
+    assert!(worst < 0.15, "prefill and token-by-token differ by {worst} of the largest logit");
+    assert_eq!(argmax(&together), argmax(&alone), "prefill and token-by-token pick different tokens");
+    let output = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "prefill_equals_token_by_token_on_the_default_model", "--test-threads", "1"])
+        .env("HEADROOM_CPU_KERNELS", "scalar")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success() && stdout.contains("1 passed"), "with the scalar kernels: {stdout}{}", String::from_utf8_lossy(&output.stderr));
 }

@@ -92,7 +92,7 @@ impl PackedMatrix {
     /// `dot(r, t, tokens, out)`: rows `r..r + n` (at most 4) times activations `t..t + tokens`
     /// (1 or 2), into `out[k · n + i]` for token `t + k` and row `r + i`.
     #[allow(clippy::type_complexity)]
-    fn rows_dot<'s>(&'s self, x: &'s Activations, team: &Team) -> Box<dyn Fn(usize, usize, usize, &mut [f32]) + Sync + 's> {
+    fn rows_dot<'s>(&'s self, x: &'s Activations, team: &Team) -> RowsDot<'s> {
         assert_eq!(x.cols, self.cols, "activations have {} columns, the weights {}", x.cols, self.cols);
         let kernels = Kernels::detect();
         let rb = self.row_bytes;
@@ -115,7 +115,7 @@ fn block_dot<'s, A: Sync>(
     q: &'s [A],
     per: usize,
     (one, pairs): (fn(&[u8], usize, &[A], &mut [f32]), fn(&[u8], usize, [&[A]; 2], &mut [f32])),
-) -> Box<dyn Fn(usize, usize, usize, &mut [f32]) + Sync + 's> {
+) -> RowsDot<'s> {
     let token = move |t: usize| &q[t * per..(t + 1) * per];
     Box::new(move |r, t, tokens, out| {
         let n = out.len() / tokens;
@@ -139,10 +139,13 @@ fn tiled(kernels: &Kernels, ty: GgmlType, tokens: usize) -> bool {
             || (kernels.float_tile.is_some() && activation_kind(ty) == Some(ActivationKind::F32)))
 }
 
+/// `dot(r, t, tokens, out)` of [`PackedMatrix::rows_dot`].
+type RowsDot<'s> = Box<dyn Fn(usize, usize, usize, &mut [f32]) + Sync + 's>;
+
 /// How the tasks of one product compute their rows.
 enum Product<'s> {
     /// Rows 1 to 4 and tokens 1 or 2 at a time (decode, short prefills, other types).
-    Rows(Box<dyn Fn(usize, usize, usize, &mut [f32]) + Sync + 's>),
+    Rows(RowsDot<'s>),
     /// Rows unpacked 8 at a time, then multiplied with the tokens 4 at a time: the task.
     Tiled(Box<dyn Fn(SharedPtr<f32>, usize, usize) + Sync + 's>),
 }
@@ -208,7 +211,7 @@ pub fn multiply_all(products: &mut [(&PackedMatrix, &mut [f32])], x: &Activation
 }
 
 /// Rows `first..last` of a product for every token, through the row kernels.
-fn rows_task(dot: &dyn Fn(usize, usize, usize, &mut [f32]), out: SharedPtr<f32>, rows: usize, tokens: usize, first: usize, last: usize) {
+fn rows_task(dot: &RowsDot, out: SharedPtr<f32>, rows: usize, tokens: usize, first: usize, last: usize) {
     // Tokens two at a time (a kernel unpacks each weight block once for both), the last
     // alone if their count is odd.
     let mut t = 0;

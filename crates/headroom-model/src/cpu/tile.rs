@@ -94,7 +94,7 @@ fn pair(low: i32, high: i32) -> i32 {
 /// Unpacks rows `w` (`rows` ≤ 8 of them, `row_bytes` apart, each `out.len()` super-blocks of
 /// `ty`) into `out`; lanes past `rows` are zero.
 pub fn unpack(ty: GgmlType, w: &[u8], row_bytes: usize, rows: usize, out: &mut [KBlock8]) {
-    assert!(rows <= ROWS && rows >= 1);
+    assert!((1..=ROWS).contains(&rows));
     let size = ty.block_bytes();
     assert!(w.len() >= (rows - 1) * row_bytes + out.len() * size);
     // The negative control of the tile check: Q6_K's −32 offset left out.
@@ -236,7 +236,7 @@ pub fn combine32(ty: GgmlType) -> Option<Combine32> {
 /// Unpacks rows `w` (`rows` ≤ 8 of them, `row_bytes` apart, each `out.len()` blocks of `ty`)
 /// into `out`; lanes past `rows` are zero.
 pub fn unpack32(ty: GgmlType, w: &[u8], row_bytes: usize, rows: usize, out: &mut [QBlock8]) {
-    assert!(rows <= ROWS && rows >= 1);
+    assert!((1..=ROWS).contains(&rows));
     let size = ty.block_bytes();
     assert!(w.len() >= (rows - 1) * row_bytes + out.len() * size);
     // The negative control of the tile check: Q4_0's nibbles taken as signed −8..7 by the
