@@ -40,7 +40,7 @@ pub const KERNELS: Kernels = Kernels {
     q6_k_pairs: |w, rb, a, out| unsafe { by_rows(out.len() / 2, |n| q6_k(n, w, rb, a, out)) },
     k_tile: avx2::KERNELS.k_tile,
     tile32: Some(super::tile::vnni::kernel32),
-    float_tile: avx2::KERNELS.float_tile,
+    float_tile: Some((super::tile::avx2_float::unpack, super::tile::avx512_float::kernel)),
 };
 
 /// Whether this processor runs [`KERNELS`].

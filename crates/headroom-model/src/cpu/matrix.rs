@@ -6,7 +6,7 @@ use std::sync::{Arc, OnceLock};
 
 use super::dot::{activation_kind, quantize_q8x256, quantize_q8x32, ActivationKind, Kernels, Q8x256, Q8x32};
 use super::team::Team;
-use super::tile::{combine, combine32, unpack, unpack32, FColumn8, KBlock8, QBlock8, ROWS, TOKENS};
+use super::tile::{combine, combine32, unpack, unpack32, FColumn16, KBlock8, QBlock8, FLOAT_ROWS, ROWS, TOKENS};
 use crate::quants::GgmlType;
 
 /// A matrix's bytes: a range of a memory-mapped model file (no copy; the page cache holds it
@@ -146,7 +146,7 @@ type RowsDot<'s> = Box<dyn Fn(usize, usize, usize, &mut [f32]) + Sync + 's>;
 enum Product<'s> {
     /// Rows 1 to 4 and tokens 1 or 2 at a time (decode, short prefills, other types).
     Rows(RowsDot<'s>),
-    /// Rows unpacked 8 at a time, then multiplied with the tokens 4 at a time: the task.
+    /// Rows unpacked 8 (floats: 16) at a time, then multiplied with the tokens 4 at a time: the task.
     Tiled(Box<dyn Fn(SharedPtr<f32>, usize, usize) + Sync + 's>),
 }
 
@@ -154,7 +154,7 @@ thread_local! {
     /// Each thread's unpacked rows, kept between products (they are a few tens of KiB).
     static TILE: RefCell<Vec<KBlock8>> = const { RefCell::new(Vec::new()) };
     static TILE32: RefCell<Vec<QBlock8>> = const { RefCell::new(Vec::new()) };
-    static FLOAT_TILE: RefCell<Vec<FColumn8>> = const { RefCell::new(Vec::new()) };
+    static FLOAT_TILE: RefCell<Vec<FColumn16>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Several products of the same activations (q, k and v; gate and up) in one parallel step of
@@ -175,25 +175,25 @@ pub fn multiply_all(products: &mut [(&PackedMatrix, &mut [f32])], x: &Activation
                 let (unpack, kernel) = kernels.float_tile.expect("tiled() checked it");
                 let a = x.values;
                 Product::Tiled(Box::new(move |out, first, last| {
-                    tiled_task(&FLOAT_TILE, m, a, 1, |w, n, tile| unpack(m.ty, w, m.row_bytes, n, tile), kernel, out, tokens, first, last)
+                    tiled_task::<_, _, FLOAT_ROWS>(&FLOAT_TILE, m, a, 1, |w, n, tile| unpack(m.ty, w, m.row_bytes, n, tile), kernel, out, tokens, first, last)
                 }))
             }
             (Some(kernel), Some(combine), _, _) => {
                 let a = x.q8x256(team);
                 Product::Tiled(Box::new(move |out, first, last| {
-                    tiled_task(&TILE, m, a, 256, |w, n, tile| unpack(m.ty, w, m.row_bytes, n, tile), |tile, a, sums| kernel(tile, a, combine, sums), out, tokens, first, last)
+                    tiled_task::<_, _, ROWS>(&TILE, m, a, 256, |w, n, tile| unpack(m.ty, w, m.row_bytes, n, tile), |tile, a, sums| kernel(tile, a, combine, sums), out, tokens, first, last)
                 }))
             }
             (_, _, Some(kernel), Some(combine)) => {
                 let a = x.q8x32(team);
                 Product::Tiled(Box::new(move |out, first, last| {
-                    tiled_task(&TILE32, m, a, 32, |w, n, tile| unpack32(m.ty, w, m.row_bytes, n, tile), |tile, a, sums| kernel(tile, a, combine, sums), out, tokens, first, last)
+                    tiled_task::<_, _, ROWS>(&TILE32, m, a, 32, |w, n, tile| unpack32(m.ty, w, m.row_bytes, n, tile), |tile, a, sums| kernel(tile, a, combine, sums), out, tokens, first, last)
                 }))
             }
             _ => unreachable!("tiled() says which products have a tile kernel"),
         };
         if let Product::Tiled(_) = product {
-            tile = tile.next_multiple_of(ROWS);
+            tile = tile.next_multiple_of(if activation_kind(m.ty) == Some(ActivationKind::F32) { FLOAT_ROWS } else { ROWS });
         }
         plans.push((product, SharedPtr(out.as_mut_ptr()), m.rows));
         tasks.extend((0..m.rows.div_ceil(tile)).map(|k| (i, k * tile, ((k + 1) * tile).min(m.rows))));
@@ -233,17 +233,17 @@ fn rows_task(dot: &RowsDot, out: SharedPtr<f32>, rows: usize, tokens: usize, fir
     }
 }
 
-/// Rows `first..last` of a product for every token: 8 rows unpacked at a time (`unpack(rows,
+/// Rows `first..last` of a product for every token: `R` rows unpacked at a time (`unpack(rows,
 /// count, tile)`, into this thread's `scratch`), then multiplied with the tokens 4 at a time while
 /// they sit in the L1/L2 cache (`kernel(tile, tokens' activations, sums)`).
 #[allow(clippy::too_many_arguments)]
-fn tiled_task<B: Default + Clone + 'static, A>(
+fn tiled_task<B: Default + Clone + 'static, A, const R: usize>(
     scratch: &'static std::thread::LocalKey<RefCell<Vec<B>>>,
     m: &PackedMatrix,
     a: &[A],
     block: usize,
     unpack: impl Fn(&[u8], usize, &mut [B]),
-    kernel: impl Fn(&[B], &[&[A]], &mut [[f32; ROWS]; TOKENS]),
+    kernel: impl Fn(&[B], &[&[A]], &mut [[f32; R]; TOKENS]),
     out: SharedPtr<f32>,
     tokens: usize,
     first: usize,
@@ -256,13 +256,13 @@ fn tiled_task<B: Default + Clone + 'static, A>(
             tile.resize(per, B::default());
         }
         let tile = &mut tile[..per];
-        for r in (first..last).step_by(ROWS) {
-            let n = (last - r).min(ROWS);
+        for r in (first..last).step_by(R) {
+            let n = (last - r).min(R);
             unpack(&m.data[r * m.row_bytes..(r + n) * m.row_bytes], n, tile);
             for t in (0..tokens).step_by(TOKENS) {
                 let k = (tokens - t).min(TOKENS);
                 let token: [&[A]; TOKENS] = std::array::from_fn(|j| &a[(t + j).min(tokens - 1) * per..][..per]);
-                let mut sums = [[0f32; ROWS]; TOKENS];
+                let mut sums = [[0f32; R]; TOKENS];
                 kernel(tile, &token[..k], &mut sums);
                 for (j, sums) in sums[..k].iter().enumerate() {
                     // SAFETY: rows r..r + n of token t + j belong to this task alone, inside the

@@ -519,23 +519,26 @@ pub(super) mod avx2_32 {
     }
 }
 
-/// One column of 8 unquantized rows, widened to f32 (F32, F16 and BF16 weights share it).
-#[derive(Clone, Copy, Default)]
-#[repr(C, align(32))]
-pub struct FColumn8(pub [f32; ROWS]);
+/// Rows per float tile: two 256-bit vectors (AVX2) or one 512-bit vector of f32.
+pub const FLOAT_ROWS: usize = 16;
 
-/// Unpacks `rows` (≤ 8) F32, F16 or BF16 rows `w` (`row_bytes` apart, `out.len()` columns)
-/// into columns of 8; lanes past `rows` are zero.
-pub type FloatUnpack = fn(ty: GgmlType, w: &[u8], row_bytes: usize, rows: usize, out: &mut [FColumn8]);
+/// One column of 16 unquantized rows, widened to f32 (F32, F16 and BF16 weights share it).
+#[derive(Clone, Copy, Default)]
+#[repr(C, align(64))]
+pub struct FColumn16(pub [f32; FLOAT_ROWS]);
+
+/// Unpacks `rows` (≤ 16) F32, F16 or BF16 rows `w` (`row_bytes` apart, `out.len()` columns)
+/// into columns of 16; lanes past `rows` are zero.
+pub type FloatUnpack = fn(ty: GgmlType, w: &[u8], row_bytes: usize, rows: usize, out: &mut [FColumn16]);
 
 /// `out[t][r]` = row `r` of the columns times token `t` (`x[t]`, f32), 1 to [`TOKENS`] tokens.
 /// Unlike the packed types' tiles, the float sums are added in another order than the row
-/// kernels' (columns in two chains per lane instead of eight lanes per row), so they agree with
+/// kernels' (column after column per lane instead of eight lanes per row), so they agree with
 /// the reference within rounding only.
-pub type FloatTileKernel = fn(columns: &[FColumn8], x: &[&[f32]], out: &mut [[f32; ROWS]; TOKENS]);
+pub type FloatTileKernel = fn(columns: &[FColumn16], x: &[&[f32]], out: &mut [[f32; FLOAT_ROWS]; TOKENS]);
 
 /// The unquantized tile with AVX2 and FMA: rows widened with F16C (or a shift for BF16) once,
-/// then one fused multiply-add per column, 8 rows and token.
+/// then per column and token one broadcast and two fused multiply-adds (16 rows).
 #[cfg(target_arch = "x86_64")]
 pub(super) mod avx2_float {
     #![allow(unsafe_op_in_unsafe_fn)]
@@ -543,26 +546,30 @@ pub(super) mod avx2_float {
 
     use super::*;
 
-    pub fn unpack(ty: GgmlType, w: &[u8], row_bytes: usize, rows: usize, out: &mut [FColumn8]) {
-        let elem = match ty {
-            GgmlType::F32 => 4,
-            GgmlType::F16 | GgmlType::BF16 => 2,
-            _ => panic!("{ty} is not an unquantized type"),
-        };
-        assert!((1..=ROWS).contains(&rows));
-        assert!(w.len() >= (rows - 1) * row_bytes + out.len() * elem);
+    pub fn unpack(ty: GgmlType, w: &[u8], row_bytes: usize, rows: usize, out: &mut [FColumn16]) {
+        assert!(matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16), "{ty} is not an unquantized type");
+        assert!((1..=FLOAT_ROWS).contains(&rows));
+        assert!(w.len() >= (rows - 1) * row_bytes + out.len() * elem_bytes(ty));
         // SAFETY: this unpacking is only in the sets of processors with AVX2 and F16C; every row
         // holds `out.len()` values (checked above).
         unsafe { widen(ty, w, row_bytes, rows, out) }
     }
 
+    fn elem_bytes(ty: GgmlType) -> usize {
+        if ty == GgmlType::F32 {
+            4
+        } else {
+            2
+        }
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn widen(ty: GgmlType, w: &[u8], row_bytes: usize, rows: usize, out: &mut [FColumn8]) {
+    unsafe fn widen(ty: GgmlType, w: &[u8], row_bytes: usize, rows: usize, out: &mut [FColumn16]) {
         // The negative control of the float tile check: BF16 widened one bit short.
         let short = crate::test_defect("tile-bf16-widen");
         let cols = out.len();
-        for c in out.iter_mut() {
-            *c = FColumn8::default();
+        if rows < FLOAT_ROWS {
+            out.fill(FColumn16::default());
         }
         for r in 0..rows {
             let row = w.as_ptr().add(r * row_bytes);
@@ -598,15 +605,7 @@ pub(super) mod avx2_float {
         }
     }
 
-    fn elem_bytes(ty: GgmlType) -> usize {
-        if ty == GgmlType::F32 {
-            4
-        } else {
-            2
-        }
-    }
-
-    pub fn kernel(columns: &[FColumn8], x: &[&[f32]], out: &mut [[f32; ROWS]; TOKENS]) {
+    pub fn kernel(columns: &[FColumn16], x: &[&[f32]], out: &mut [[f32; FLOAT_ROWS]; TOKENS]) {
         for x in x {
             assert!(x.len() >= columns.len());
         }
@@ -624,30 +623,75 @@ pub(super) mod avx2_float {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tokens<const T: usize>(columns: &[FColumn8], x: &[&[f32]], out: &mut [[f32; ROWS]; TOKENS]) {
-        // Two chains per token (even and odd columns) keep both FMA units busy.
-        let mut even = [_mm256_setzero_ps(); T];
-        let mut odd = [_mm256_setzero_ps(); T];
+    unsafe fn tokens<const T: usize>(columns: &[FColumn16], x: &[&[f32]], out: &mut [[f32; FLOAT_ROWS]; TOKENS]) {
+        let mut low = [_mm256_setzero_ps(); T];
+        let mut high = [_mm256_setzero_ps(); T];
+        let c = columns.as_ptr() as *const f32;
+        for k in 0..columns.len() {
+            let (w0, w1) = (_mm256_load_ps(c.add(16 * k)), _mm256_load_ps(c.add(16 * k + 8)));
+            for t in 0..T {
+                let b = _mm256_broadcast_ss(&*x.get_unchecked(t).as_ptr().add(k));
+                low[t] = _mm256_fmadd_ps(w0, b, low[t]);
+                high[t] = _mm256_fmadd_ps(w1, b, high[t]);
+            }
+        }
+        for t in 0..T {
+            _mm256_storeu_ps(out[t].as_mut_ptr(), low[t]);
+            _mm256_storeu_ps(out[t].as_mut_ptr().add(8), high[t]);
+        }
+    }
+}
+
+/// The unquantized tile's kernel with AVX-512: one 512-bit fused multiply-add per column, 16
+/// rows and token, even and odd columns in separate chains (eight in flight for 4 tokens).
+#[cfg(target_arch = "x86_64")]
+pub(super) mod avx512_float {
+    #![allow(unsafe_op_in_unsafe_fn)]
+    use std::arch::x86_64::*;
+
+    use super::*;
+
+    pub fn kernel(columns: &[FColumn16], x: &[&[f32]], out: &mut [[f32; FLOAT_ROWS]; TOKENS]) {
+        for x in x {
+            assert!(x.len() >= columns.len());
+        }
+        // SAFETY: this kernel is only in the set of processors with AVX-512 F; every token has a
+        // value per column (checked above).
+        unsafe {
+            match x.len() {
+                1 => tokens::<1>(columns, x, out),
+                2 => tokens::<2>(columns, x, out),
+                3 => tokens::<3>(columns, x, out),
+                4 => tokens::<4>(columns, x, out),
+                n => panic!("1 to {TOKENS} tokens per call, not {n}"),
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    unsafe fn tokens<const T: usize>(columns: &[FColumn16], x: &[&[f32]], out: &mut [[f32; FLOAT_ROWS]; TOKENS]) {
+        let mut even = [_mm512_setzero_ps(); T];
+        let mut odd = [_mm512_setzero_ps(); T];
         let n = columns.len();
         let c = columns.as_ptr() as *const f32;
         let mut k = 0;
         while k + 2 <= n {
-            let (w0, w1) = (_mm256_load_ps(c.add(8 * k)), _mm256_load_ps(c.add(8 * k + 8)));
+            let (w0, w1) = (_mm512_load_ps(c.add(16 * k)), _mm512_load_ps(c.add(16 * k + 16)));
             for t in 0..T {
                 let xt = x.get_unchecked(t).as_ptr();
-                even[t] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(&*xt.add(k)), even[t]);
-                odd[t] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(&*xt.add(k + 1)), odd[t]);
+                even[t] = _mm512_fmadd_ps(w0, _mm512_set1_ps(*xt.add(k)), even[t]);
+                odd[t] = _mm512_fmadd_ps(w1, _mm512_set1_ps(*xt.add(k + 1)), odd[t]);
             }
             k += 2;
         }
         if k < n {
-            let w0 = _mm256_load_ps(c.add(8 * k));
+            let w0 = _mm512_load_ps(c.add(16 * k));
             for t in 0..T {
-                even[t] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(&*x.get_unchecked(t).as_ptr().add(k)), even[t]);
+                even[t] = _mm512_fmadd_ps(w0, _mm512_set1_ps(*x.get_unchecked(t).as_ptr().add(k)), even[t]);
             }
         }
         for t in 0..T {
-            _mm256_storeu_ps(out[t].as_mut_ptr(), _mm256_add_ps(even[t], odd[t]));
+            _mm512_storeu_ps(out[t].as_mut_ptr(), _mm512_add_ps(even[t], odd[t]));
         }
     }
 }
@@ -795,7 +839,7 @@ mod tests {
             let Some((unpack, kernel)) = k.float_tile else { continue };
             for cols in [8, 13, 576] {
                 let x: Vec<Vec<f32>> = (0..TOKENS).map(|_| (0..cols).map(|_| rng.random_range(-1.0f32..1.0)).collect()).collect();
-                let values: Vec<f32> = (0..ROWS * cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+                let values: Vec<f32> = (0..FLOAT_ROWS * cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
                 let rows_of = |ty: GgmlType| -> Vec<u8> {
                     match ty {
                         GgmlType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
@@ -805,16 +849,16 @@ mod tests {
                 };
                 for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16] {
                     let w = rows_of(ty);
-                    let row_bytes = w.len() / ROWS;
-                    for rows in [1, 5, 8] {
-                        let mut columns = vec![FColumn8::default(); cols];
+                    let row_bytes = w.len() / FLOAT_ROWS;
+                    for rows in [1, 5, 16] {
+                        let mut columns = vec![FColumn16::default(); cols];
                         unpack(ty, &w, row_bytes, rows, &mut columns);
                         for tokens in 1..=TOKENS {
                             let refs: Vec<&[f32]> = x[..tokens].iter().map(|x| x.as_slice()).collect();
-                            let mut out = [[f32::NAN; ROWS]; TOKENS];
-                            kernel(&columns, &refs, &mut out);
+                            let mut out = [[f32::NAN; FLOAT_ROWS]; TOKENS];
+                                kernel(&columns, &refs, &mut out);
                             for t in 0..tokens {
-                                for r in 0..ROWS {
+                                for r in 0..FLOAT_ROWS {
                                     let want = if r < rows { dot_with(&Kernels::SCALAR, ty, &w[r * row_bytes..(r + 1) * row_bytes], &x[t]) } else { 0.0 };
                                     assert!(close(out[t][r], want, cols as f32), "{} {ty} {cols} columns, row {r} of {rows}, token {t}: {} vs {want}", k.name, out[t][r]);
                                 }
