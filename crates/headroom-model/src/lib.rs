@@ -74,5 +74,25 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// Whether a test switched a known defect back on (`HEADROOM_TEST_DEFECT`, comma-separated), so a
 /// negative control can prove its check fails without the fix. Never set outside tests.
 pub fn test_defect(name: &str) -> bool {
-    std::env::var("HEADROOM_TEST_DEFECT").is_ok_and(|v| v.split(',').any(|d| d == name))
+    // Read once: kernels ask on every call, and the variable is fixed for a process's life (a
+    // negative control sets it for a child process).
+    static DEFECTS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    DEFECTS
+        .get_or_init(|| std::env::var("HEADROOM_TEST_DEFECT").map_or_else(|_| Vec::new(), |v| v.split(',').map(str::to_owned).collect()))
+        .iter()
+        .any(|d| d == name)
+}
+
+/// Runs the unit test `test` of this test binary in a child process with the defect `defect`
+/// switched on, asserts that exactly that test failed, and gives its output.
+#[cfg(test)]
+pub(crate) fn failing_with_defect(test: &str, defect: &str) -> String {
+    let output = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--test-threads", "1"])
+        .env("HEADROOM_TEST_DEFECT", defect)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(!output.status.success() && stdout.contains("1 failed"), "with the defect the check still passed: {stdout}");
+    stdout
 }

@@ -491,13 +491,7 @@ mod tests {
     /// wrong way round (`HEADROOM_TEST_DEFECT=k-quant-scale-order`, in a child process).
     #[test]
     fn the_negative_control_of_the_kernel_check_fails() {
-        let output = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "cpu::dot::tests::scalar_kernels_equal_dequantized_products", "--test-threads", "1"])
-            .env("HEADROOM_TEST_DEFECT", "k-quant-scale-order")
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        assert!(!output.status.success() && stdout.contains("1 failed"), "with the defect the check still passed: {stdout}");
+        let stdout = crate::failing_with_defect("cpu::dot::tests::scalar_kernels_equal_dequantized_products", "k-quant-scale-order");
         assert!(stdout.contains("Q4_K"), "it failed on something else: {stdout}");
     }
 

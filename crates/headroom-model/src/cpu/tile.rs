@@ -17,9 +17,7 @@
 //! `d · d_act · Σ` for Q6_K), added block after block. So a prefill's products equal the scalar
 //! reference's bit for bit, whichever token count or row position a value has.
 
-use half::f16;
-
-use super::dot::{scales_mins_k4, Q8x256, Q8x32};
+use super::dot::{f16_at, scales_mins_k4, Q8x256, Q8x32};
 use crate::quants::GgmlType;
 
 /// Rows per [`KBlock8`]: the lanes of one 256-bit vector of i32.
@@ -71,11 +69,6 @@ pub fn combine(ty: GgmlType) -> Option<Combine> {
 #[inline(always)]
 fn u32_at(b: &[u8], at: usize) -> u32 {
     u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
-}
-
-#[inline(always)]
-fn f16_at(b: &[u8], at: usize) -> f32 {
-    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
 /// Two copies of an i16 in one i32 lane.
@@ -165,8 +158,8 @@ pub fn unpack(ty: GgmlType, w: &[u8], row_bytes: usize, rows: usize, out: &mut [
 /// super-block), for 1 to [`TOKENS`] tokens.
 pub type TileKernel = fn(blocks: &[KBlock8], a: &[&[Q8x256]], combine: Combine, out: &mut [[f32; ROWS]; TOKENS]);
 
-/// The scalar form of the kernel (the reference's arithmetic on the unpacked layout): a check
-/// of [`unpack`] on its own, and the kernel of processors without a SIMD one.
+/// The scalar form of the kernel (the reference's arithmetic on the unpacked layout): the tests'
+/// check of [`unpack`] on its own. Sets without a SIMD tile keep the row kernels.
 pub fn scalar(blocks: &[KBlock8], a: &[&[Q8x256]], combine: Combine, out: &mut [[f32; ROWS]; TOKENS]) {
     for (t, a) in a.iter().enumerate() {
         for r in 0..ROWS {
@@ -549,18 +542,10 @@ pub(super) mod avx2_float {
     pub fn unpack(ty: GgmlType, w: &[u8], row_bytes: usize, rows: usize, out: &mut [FColumn16]) {
         assert!(matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16), "{ty} is not an unquantized type");
         assert!((1..=FLOAT_ROWS).contains(&rows));
-        assert!(w.len() >= (rows - 1) * row_bytes + out.len() * elem_bytes(ty));
+        assert!(w.len() >= (rows - 1) * row_bytes + out.len() * ty.block_bytes());
         // SAFETY: this unpacking is only in the sets of processors with AVX2 and F16C; every row
         // holds `out.len()` values (checked above).
         unsafe { widen(ty, w, row_bytes, rows, out) }
-    }
-
-    fn elem_bytes(ty: GgmlType) -> usize {
-        if ty == GgmlType::F32 {
-            4
-        } else {
-            2
-        }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -589,7 +574,7 @@ pub(super) mod avx2_float {
                     _mm256_storeu_ps(v.as_mut_ptr(), values);
                 } else {
                     for (j, v) in v[..n].iter_mut().enumerate() {
-                        let p = row.add(elem_bytes(ty) * (k + j));
+                        let p = row.add(ty.block_bytes() * (k + j));
                         *v = match ty {
                             GgmlType::F32 => (p as *const f32).read_unaligned(),
                             GgmlType::F16 => half::f16::from_le_bytes([*p, *p.add(1)]).to_f32(),
@@ -802,13 +787,7 @@ mod tests {
     /// (`HEADROOM_TEST_DEFECT=tile-q4-0-offset`, in a child process).
     #[test]
     fn the_negative_control_of_the_tile32_check_fails() {
-        let output = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "cpu::tile::tests::tiles32_equal_the_scalar_reference_exactly", "--test-threads", "1"])
-            .env("HEADROOM_TEST_DEFECT", "tile-q4-0-offset")
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        assert!(!output.status.success() && stdout.contains("1 failed"), "with the defect the check still passed: {stdout}");
+        let stdout = crate::failing_with_defect("cpu::tile::tests::tiles32_equal_the_scalar_reference_exactly", "tile-q4-0-offset");
         assert!(stdout.contains("Q4_0"), "it failed on something else: {stdout}");
     }
 
@@ -816,13 +795,7 @@ mod tests {
     /// (`HEADROOM_TEST_DEFECT=tile-q6k-offset`, in a child process).
     #[test]
     fn the_negative_control_of_the_tile_check_fails() {
-        let output = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "cpu::tile::tests::tiles_equal_the_scalar_reference_exactly", "--test-threads", "1"])
-            .env("HEADROOM_TEST_DEFECT", "tile-q6k-offset")
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        assert!(!output.status.success() && stdout.contains("1 failed"), "with the defect the check still passed: {stdout}");
+        let stdout = crate::failing_with_defect("cpu::tile::tests::tiles_equal_the_scalar_reference_exactly", "tile-q6k-offset");
         assert!(stdout.contains("Q6_K"), "it failed on something else: {stdout}");
     }
 
@@ -874,13 +847,7 @@ mod tests {
     /// (`HEADROOM_TEST_DEFECT=tile-bf16-widen`, in a child process).
     #[test]
     fn the_negative_control_of_the_float_tile_check_fails() {
-        let output = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "cpu::tile::tests::float_tiles_equal_the_scalar_reference", "--test-threads", "1"])
-            .env("HEADROOM_TEST_DEFECT", "tile-bf16-widen")
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        assert!(!output.status.success() && stdout.contains("1 failed"), "with the defect the check still passed: {stdout}");
+        let stdout = crate::failing_with_defect("cpu::tile::tests::float_tiles_equal_the_scalar_reference", "tile-bf16-widen");
         assert!(stdout.contains("BF16"), "it failed on something else: {stdout}");
     }
 }
