@@ -6,7 +6,7 @@ use std::sync::{Arc, OnceLock};
 
 use super::dot::{activation_kind, quantize_q8x256, quantize_q8x32, ActivationKind, Kernels, Q8x256, Q8x32};
 use super::team::Team;
-use super::tile::{combine, combine32, unpack, unpack32, FColumn16, KBlock8, QBlock8, FLOAT_ROWS, ROWS, TOKENS};
+use super::tile::{combine, combine32, unpack, unpack32, Combine, Combine32, FColumn16, FloatTileKernel, FloatUnpack, KBlock8, QBlock8, Tile32Kernel, TileKernel, FLOAT_ROWS, ROWS, TOKENS};
 use crate::quants::GgmlType;
 
 /// A matrix's bytes: a range of a memory-mapped model file (no copy; the page cache holds it
@@ -130,12 +130,36 @@ fn block_dot<'s, A: Sync>(
 /// row kernels' unpacking per pair of tokens costs less.
 const TILE_MIN_TOKENS: usize = 4;
 
-/// Whether a product of `ty` weights with `tokens` tokens goes through unpacked tiles.
-fn tiled(kernels: &Kernels, ty: GgmlType, tokens: usize) -> bool {
-    tokens >= TILE_MIN_TOKENS
-        && ((kernels.k_tile.is_some() && combine(ty).is_some())
-            || (kernels.tile32.is_some() && combine32(ty).is_some())
-            || (kernels.float_tile.is_some() && activation_kind(ty) == Some(ActivationKind::F32)))
+/// The tile a product goes through, and its kernel.
+#[derive(Clone, Copy)]
+enum TileKind {
+    K(TileKernel, Combine),
+    Q32(Tile32Kernel, Combine32),
+    Float(FloatUnpack, FloatTileKernel),
+}
+
+impl TileKind {
+    /// Rows one tile holds.
+    fn rows(self) -> usize {
+        match self {
+            TileKind::Float(..) => FLOAT_ROWS,
+            _ => ROWS,
+        }
+    }
+}
+
+/// The tile a product of `ty` weights with `tokens` tokens goes through; `None`: the row
+/// kernels.
+fn tile_kind(kernels: &Kernels, ty: GgmlType, tokens: usize) -> Option<TileKind> {
+    if tokens < TILE_MIN_TOKENS {
+        return None;
+    }
+    match (combine(ty), combine32(ty), activation_kind(ty)) {
+        (Some(combine), _, _) => kernels.k_tile.map(|kernel| TileKind::K(kernel, combine)),
+        (_, Some(combine), _) => kernels.tile32.map(|kernel| TileKind::Q32(kernel, combine)),
+        (_, _, Some(ActivationKind::F32)) => kernels.float_tile.map(|(unpack, kernel)| TileKind::Float(unpack, kernel)),
+        _ => None,
+    }
 }
 
 /// `dot(r, t, tokens, out)` of [`PackedMatrix::rows_dot`].
@@ -168,31 +192,30 @@ pub fn multiply_all(products: &mut [(&PackedMatrix, &mut [f32])], x: &Activation
         assert_eq!(out.len(), tokens * m.rows);
         let mut tile = tile_rows(m.rows, tokens, m.cols, team.threads());
         assert_eq!(x.cols, m.cols, "activations have {} columns, the weights {}", x.cols, m.cols);
-        let product = match (kernels.k_tile, combine(m.ty), kernels.tile32, combine32(m.ty)) {
-            _ if !tiled(kernels, m.ty, tokens) => Product::Rows(m.rows_dot(x, team)),
-            _ if activation_kind(m.ty) == Some(ActivationKind::F32) => {
-                let (unpack, kernel) = kernels.float_tile.expect("tiled() checked it");
+        let kind = tile_kind(kernels, m.ty, tokens);
+        let product = match kind {
+            None => Product::Rows(m.rows_dot(x, team)),
+            Some(TileKind::Float(unpack, kernel)) => {
                 let a = x.values;
                 Product::Tiled(Box::new(move |out, first, last| {
                     tiled_task::<_, _, FLOAT_ROWS>(&FLOAT_TILE, m, a, 1, |w, n, tile| unpack(m.ty, w, m.row_bytes, n, tile), kernel, out, tokens, first, last)
                 }))
             }
-            (Some(kernel), Some(combine), _, _) => {
+            Some(TileKind::K(kernel, combine)) => {
                 let a = x.q8x256(team);
                 Product::Tiled(Box::new(move |out, first, last| {
                     tiled_task::<_, _, ROWS>(&TILE, m, a, 256, |w, n, tile| unpack(m.ty, w, m.row_bytes, n, tile), |tile, a, sums| kernel(tile, a, combine, sums), out, tokens, first, last)
                 }))
             }
-            (_, _, Some(kernel), Some(combine)) => {
+            Some(TileKind::Q32(kernel, combine)) => {
                 let a = x.q8x32(team);
                 Product::Tiled(Box::new(move |out, first, last| {
                     tiled_task::<_, _, ROWS>(&TILE32, m, a, 32, |w, n, tile| unpack32(m.ty, w, m.row_bytes, n, tile), |tile, a, sums| kernel(tile, a, combine, sums), out, tokens, first, last)
                 }))
             }
-            _ => unreachable!("tiled() says which products have a tile kernel"),
         };
-        if let Product::Tiled(_) = product {
-            tile = tile.next_multiple_of(if activation_kind(m.ty) == Some(ActivationKind::F32) { FLOAT_ROWS } else { ROWS });
+        if let Some(kind) = kind {
+            tile = tile.next_multiple_of(kind.rows());
         }
         plans.push((product, SharedPtr(out.as_mut_ptr()), m.rows));
         tasks.extend((0..m.rows.div_ceil(tile)).map(|k| (i, k * tile, ((k + 1) * tile).min(m.rows))));
@@ -405,7 +428,7 @@ mod tests {
                     let mut want = [0f32];
                     crate::cpu::conformance::rows_with(&Kernels::SCALAR, ty, m.row(r), m.row_bytes, &x[t * cols..(t + 1) * cols], &mut want);
                     let got = out[t * rows + r];
-                    if tiled(Kernels::detect(), ty, tokens) && activation_kind(ty) != Some(ActivationKind::F32) {
+                    if matches!(tile_kind(Kernels::detect(), ty, tokens), Some(TileKind::K(..) | TileKind::Q32(..))) {
                         assert!(got == want[0], "{ty} token {t} row {r}: {got} vs {}", want[0]);
                     } else {
                         // The row kernels and the float tiles add in another order than the
