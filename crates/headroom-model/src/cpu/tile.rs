@@ -688,40 +688,48 @@ mod tests {
     use crate::cpu::dot::{quantize_q8x256, quantize_q8x32, Kernels};
     use rand::SeedableRng;
 
-    /// Unpacked rows times tokens, through the scalar tile kernel and every SIMD one this
-    /// processor has, equal the scalar row reference bit for bit (random, zero and saturated
-    /// blocks; 1 to 8 rows; 1 to 4 tokens).
-    #[test]
-    fn tiles_equal_the_scalar_reference_exactly() {
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
-        let mut kernels: Vec<(&str, TileKernel)> = vec![("scalar", scalar)];
-        kernels.extend(Kernels::available().iter().filter_map(|k| k.k_tile.map(|f| (k.name, f))));
+    /// A tile kernel: unpacked blocks `B` times 1 to 4 tokens' activation blocks `A`.
+    type Kernel<B, A, C> = fn(&[B], &[&[A]], C, &mut [[f32; ROWS]; TOKENS]);
+
+    /// Rows of every type `combine_of` takes, unpacked by `unpack` and multiplied by each of
+    /// `kernels`, equal the scalar row reference (`reference`) bit for bit: random, zero and
+    /// saturated blocks; 1, 3 and 8 rows; 1 to 4 tokens.
+    #[allow(clippy::too_many_arguments)]
+    fn tiles_equal_reference<B: Default + Clone, A: Default + Clone, C: Copy>(
+        seed: u64,
+        n_blocks: usize,
+        combine_of: fn(GgmlType) -> Option<C>,
+        kernels: &[(&str, Kernel<B, A, C>)],
+        unpack: fn(GgmlType, &[u8], usize, usize, &mut [B]),
+        quantize: fn(&[f32], &mut [A]),
+        reference: fn(GgmlType) -> fn(&[u8], usize, &[A], &mut [f32]),
+    ) {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         for &(ty, scale_at) in TYPES {
-            let Some(combine) = combine(ty) else { continue };
+            let Some(combine) = combine_of(ty) else { continue };
             for kind in [Blocks::Random, Blocks::Zero, Blocks::Max] {
-                let n_blocks = 3;
-                let (cols, row_bytes) = (n_blocks * 256, n_blocks * ty.block_bytes());
+                let (cols, row_bytes) = (n_blocks * ty.block_elements(), n_blocks * ty.block_bytes());
                 let w = blocks(ty, scale_at, ROWS * n_blocks, kind, &mut rng);
-                let a: Vec<Vec<Q8x256>> = (0..TOKENS)
+                let a: Vec<Vec<A>> = (0..TOKENS)
                     .map(|_| {
-                        let mut a = vec![Q8x256::default(); n_blocks];
-                        quantize_q8x256(&activations(cols, &mut rng), &mut a);
+                        let mut a = vec![A::default(); n_blocks];
+                        quantize(&activations(cols, &mut rng), &mut a);
                         a
                     })
                     .collect();
                 for rows in [1, 3, 8] {
-                    let mut tile = vec![KBlock8::default(); n_blocks];
+                    let mut tile = vec![B::default(); n_blocks];
                     unpack(ty, &w, row_bytes, rows, &mut tile);
                     for tokens in 1..=TOKENS {
-                        let refs: Vec<&[Q8x256]> = a[..tokens].iter().map(|a| a.as_slice()).collect();
-                        for (name, kernel) in &kernels {
+                        let refs: Vec<&[A]> = a[..tokens].iter().map(|a| a.as_slice()).collect();
+                        for (name, kernel) in kernels {
                             let mut out = [[f32::NAN; ROWS]; TOKENS];
                             kernel(&tile, &refs, combine, &mut out);
                             for t in 0..tokens {
                                 for r in 0..ROWS {
                                     let want = if r < rows {
                                         let mut o = [0f32];
-                                        Kernels::SCALAR.q8x256_kernels(ty).0(&w[r * row_bytes..(r + 1) * row_bytes], row_bytes, &a[t], &mut o);
+                                        reference(ty)(&w[r * row_bytes..(r + 1) * row_bytes], row_bytes, &a[t], &mut o);
                                         o[0]
                                     } else {
                                         0.0
@@ -737,50 +745,20 @@ mod tests {
         }
     }
 
+    /// The K-quants' tiles, through the scalar tile kernel and every SIMD one this processor has.
+    #[test]
+    fn tiles_equal_the_scalar_reference_exactly() {
+        let mut kernels: Vec<(&str, TileKernel)> = vec![("scalar", scalar)];
+        kernels.extend(Kernels::available().iter().filter_map(|k| k.k_tile.map(|f| (k.name, f))));
+        tiles_equal_reference(5, 3, combine, &kernels, unpack, quantize_q8x256, |ty| Kernels::SCALAR.q8x256_kernels(ty).0);
+    }
+
     /// The same for the 32-value types and their kernels.
     #[test]
     fn tiles32_equal_the_scalar_reference_exactly() {
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(6);
         let mut kernels: Vec<(&str, Tile32Kernel)> = vec![("scalar", scalar32)];
         kernels.extend(Kernels::available().iter().filter_map(|k| k.tile32.map(|f| (k.name, f))));
-        for &(ty, scale_at) in TYPES {
-            let Some(combine) = combine32(ty) else { continue };
-            for kind in [Blocks::Random, Blocks::Zero, Blocks::Max] {
-                let n_blocks = 5;
-                let (cols, row_bytes) = (n_blocks * 32, n_blocks * ty.block_bytes());
-                let w = blocks(ty, scale_at, ROWS * n_blocks, kind, &mut rng);
-                let a: Vec<Vec<Q8x32>> = (0..TOKENS)
-                    .map(|_| {
-                        let mut a = vec![Q8x32::default(); n_blocks];
-                        quantize_q8x32(&activations(cols, &mut rng), &mut a);
-                        a
-                    })
-                    .collect();
-                for rows in [1, 3, 8] {
-                    let mut tile = vec![QBlock8::default(); n_blocks];
-                    unpack32(ty, &w, row_bytes, rows, &mut tile);
-                    for tokens in 1..=TOKENS {
-                        let refs: Vec<&[Q8x32]> = a[..tokens].iter().map(|a| a.as_slice()).collect();
-                        for (name, kernel) in &kernels {
-                            let mut out = [[f32::NAN; ROWS]; TOKENS];
-                            kernel(&tile, &refs, combine, &mut out);
-                            for t in 0..tokens {
-                                for r in 0..ROWS {
-                                    let want = if r < rows {
-                                        let mut o = [0f32];
-                                        Kernels::SCALAR.q8x32_kernels(ty).0(&w[r * row_bytes..(r + 1) * row_bytes], row_bytes, &a[t], &mut o);
-                                        o[0]
-                                    } else {
-                                        0.0
-                                    };
-                                    assert!(out[t][r] == want, "{name} {ty} row {r} of {rows}, token {t} of {tokens}: {} vs {want}", out[t][r]);
-                                }
-                            }
-                        }
-                    }
-                }
-            }
-        }
+        tiles_equal_reference(6, 5, combine32, &kernels, unpack32, quantize_q8x32, |ty| Kernels::SCALAR.q8x32_kernels(ty).0);
     }
 
     /// The check above fails when Q4_0's nibbles are unpacked as if already signed
