@@ -147,6 +147,12 @@ pub trait Decoder {
     fn new_cache(&self, config: &crate::LlamaConfig, capacity: usize) -> Self::Cache;
     /// Feeds `tokens` at the cache's position and returns the logits of the last.
     fn feed(&self, tokens: &[u32], cache: &mut Self::Cache) -> Vec<f32>;
+    /// Feeds one token to each of several sequences (each its own cache) and returns each one's
+    /// logits, exactly what [`Decoder::feed`] of that token alone returns. A model that cannot
+    /// batch feeds them one after another.
+    fn feed_batch(&self, batch: &mut [(u32, &mut Self::Cache)]) -> Vec<Vec<f32>> {
+        batch.iter_mut().map(|(token, cache)| self.feed(&[*token], cache)).collect()
+    }
 }
 
 /// burn's KV cache and the RoPE tables for its positions.
@@ -174,6 +180,9 @@ impl Decoder for crate::cpu::CpuModel {
     fn feed(&self, tokens: &[u32], cache: &mut crate::cpu::CpuCache) -> Vec<f32> {
         self.step(tokens, cache)
     }
+    fn feed_batch(&self, batch: &mut [(u32, &mut crate::cpu::CpuCache)]) -> Vec<Vec<f32>> {
+        self.step_batch(batch)
+    }
 }
 
 /// A running generation on one model.
@@ -194,6 +203,29 @@ pub struct Session<'m, M: Decoder> {
     next_logits: Option<Vec<f32>>,
     finished: Option<FinishReason>,
     pub prefill_ms: f64,
+    /// Prompt tokens fed so far, and how many per prefill step.
+    prompt_fed: usize,
+    prefill_chunk: usize,
+    /// Tokens of a resumed checkpoint (the head of `generated`), and how many were fed again.
+    resumed: usize,
+    replayed: usize,
+    /// The token sampled last, to be fed before the next can be sampled.
+    unfed: Option<u32>,
+    /// When the first prompt token was fed (prefill time runs from there).
+    prefill_started: Option<Instant>,
+}
+
+/// What a [`Session`] needs next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Work {
+    /// A chunk of the prompt (`prompt[range]`), fed in one step of its own.
+    Prefill(std::ops::Range<usize>),
+    /// One token (the last sampled, or one of a resumed checkpoint's), which may share a batched
+    /// step with other sessions' tokens.
+    Decode(u32),
+    /// Logits are ready: the next token can be sampled.
+    Sample,
+    Finished,
 }
 
 /// Checks the context limit and says exactly how much fits.
@@ -223,6 +255,27 @@ impl<'m, M: Decoder> Session<'m, M> {
         request: &GenerateRequest,
         cancel: &CancelToken,
     ) -> Result<Self> {
+        let mut session = Self::new(model, bundle, request)?;
+        loop {
+            match session.work() {
+                Work::Prefill(_) | Work::Decode(_) if cancel.is_cancelled() => {
+                    session.finished = Some(FinishReason::Cancelled);
+                    return Ok(session);
+                }
+                Work::Prefill(_) => session.feed_prefill(),
+                // Replaying generated tokens one decode step at a time repeats the straight
+                // run's arithmetic exactly, so the resumed stream is token-for-token the same.
+                Work::Decode(token) => {
+                    let logits = model.feed(&[token], &mut session.cache);
+                    session.fed(logits);
+                }
+                Work::Sample | Work::Finished => return Ok(session),
+            }
+        }
+    }
+
+    /// Checks the request and allocates the KV cache; computes nothing yet (see [`Self::work`]).
+    pub fn new(model: &'m M, bundle: &'m ModelBundle, request: &GenerateRequest) -> Result<Self> {
         request.sampling.validate()?;
         let context = bundle.config.max_position_embeddings;
         check_context(request.prompt_tokens.len(), request.max_tokens, context)?;
@@ -235,8 +288,6 @@ impl<'m, M: Decoder> Session<'m, M> {
         if request.stop.iter().any(String::is_empty) {
             return Err(Error::InvalidRequest("stop strings must not be empty".into()));
         }
-        let capacity = request.prompt_tokens.len() + request.max_tokens;
-        let cache = model.new_cache(&bundle.config, capacity);
         let (sampler, generated, delivered_text) = match &request.resume {
             Some(cp) => {
                 if cp.prompt_tokens != request.prompt_tokens {
@@ -257,49 +308,90 @@ impl<'m, M: Decoder> Session<'m, M> {
             }
             None => (Sampler::new(request.sampling.clone()), Vec::new(), String::new()),
         };
-        let mut session = Self {
+        let (text, delivered) = if generated.is_empty() {
+            (String::new(), 0)
+        } else {
+            let text = bundle.decode(&generated)?;
+            let delivered = delivered_text.len().min(text.len());
+            (text, delivered)
+        };
+        let capacity = request.prompt_tokens.len() + request.max_tokens;
+        Ok(Self {
             model,
             bundle,
-            cache,
+            cache: model.new_cache(&bundle.config, capacity),
             sampler,
             prompt: request.prompt_tokens.clone(),
+            resumed: generated.len(),
             generated,
             max_tokens: request.max_tokens,
             stop: request.stop.clone(),
             ignore_eos: request.ignore_eos,
-            text: String::new(),
-            delivered: 0,
+            text,
+            delivered,
             next_logits: None,
             finished: None,
             prefill_ms: 0.0,
-        };
-        let started = Instant::now();
-        let chunk = request.prefill_chunk.max(1);
-        let mut logits = None;
-        for part in request.prompt_tokens.chunks(chunk) {
-            if cancel.is_cancelled() {
-                session.finished = Some(FinishReason::Cancelled);
-                return Ok(session);
+            prompt_fed: 0,
+            prefill_chunk: request.prefill_chunk.max(1),
+            replayed: 0,
+            unfed: None,
+            prefill_started: None,
+        })
+    }
+
+    /// What this session needs next: the prompt in chunks, then the checkpoint's tokens one at
+    /// a time (a resume), then a sample and a decode step per token.
+    pub fn work(&self) -> Work {
+        if self.finished.is_some() {
+            Work::Finished
+        } else if self.prompt_fed < self.prompt.len() {
+            Work::Prefill(self.prompt_fed..(self.prompt_fed + self.prefill_chunk).min(self.prompt.len()))
+        } else if self.replayed < self.resumed {
+            Work::Decode(self.generated[self.replayed])
+        } else if let Some(token) = self.unfed {
+            Work::Decode(token)
+        } else {
+            Work::Sample
+        }
+    }
+
+    /// Feeds the next prompt chunk (when [`Self::work`] is `Prefill`).
+    pub fn feed_prefill(&mut self) {
+        let Work::Prefill(range) = self.work() else { panic!("no prompt left to feed") };
+        self.prefill_started.get_or_insert_with(Instant::now);
+        let logits = self.model.feed(&self.prompt[range], &mut self.cache);
+        self.fed(logits);
+    }
+
+    /// The token a `Decode` step feeds and the cache it goes to.
+    pub(crate) fn decode_input(&mut self) -> Option<(u32, &mut M::Cache)> {
+        match self.work() {
+            Work::Decode(token) => Some((token, &mut self.cache)),
+            _ => None,
+        }
+    }
+
+    /// Takes the logits of the work just fed.
+    pub(crate) fn fed(&mut self, logits: Vec<f32>) {
+        match self.work() {
+            Work::Prefill(range) => self.prompt_fed = range.end,
+            Work::Decode(_) if self.replayed < self.resumed => self.replayed += 1,
+            Work::Decode(_) => self.unfed = None,
+            other => panic!("nothing was fed ({other:?})"),
+        }
+        if self.work() == Work::Sample {
+            if self.next_logits.is_none() && self.generated.len() == self.resumed {
+                // The prompt and any checkpoint are in: the prefill ends here.
+                self.prefill_ms = self.prefill_started.map_or(0.0, |t| t.elapsed().as_secs_f64() * 1000.0);
             }
-            logits = Some(model.feed(part, &mut session.cache));
+            self.next_logits = Some(logits);
         }
-        // Replaying generated tokens one decode step at a time repeats the straight run's
-        // arithmetic exactly, so the resumed stream is token-for-token the same.
-        for i in 0..session.generated.len() {
-            if cancel.is_cancelled() {
-                session.finished = Some(FinishReason::Cancelled);
-                return Ok(session);
-            }
-            let token = session.generated[i];
-            logits = Some(model.feed(&[token], &mut session.cache));
-        }
-        session.prefill_ms = started.elapsed().as_secs_f64() * 1000.0;
-        session.next_logits = logits;
-        if !session.generated.is_empty() {
-            session.text = bundle.decode(&session.generated)?;
-            session.delivered = delivered_text.len().min(session.text.len());
-        }
-        Ok(session)
+    }
+
+    /// Ends the session as cancelled.
+    pub fn cancel(&mut self) {
+        self.finished.get_or_insert(FinishReason::Cancelled);
     }
 
     pub fn finished(&self) -> Option<FinishReason> {
@@ -327,11 +419,22 @@ impl<'m, M: Decoder> Session<'m, M> {
     /// Samples one token, feeds it back, and returns it with the text it made final.
     /// `None` once generation has finished.
     pub fn next(&mut self, cancel: &CancelToken) -> Result<Option<(u32, String)>> {
-        if self.finished.is_some() {
-            return Ok(None);
+        if self.finished.is_none() && cancel.is_cancelled() {
+            self.cancel();
         }
-        if cancel.is_cancelled() {
-            self.finished = Some(FinishReason::Cancelled);
+        let sampled = self.sample()?;
+        if let Work::Decode(token) = self.work() {
+            let logits = self.model.feed(&[token], &mut self.cache);
+            self.fed(logits);
+        }
+        Ok(sampled)
+    }
+
+    /// Samples one token from the logits ready (when [`Self::work`] is `Sample`) and returns it
+    /// with the text it made final; the token is fed by the next `Decode` step. `None` once
+    /// generation has finished.
+    pub fn sample(&mut self) -> Result<Option<(u32, String)>> {
+        if self.finished.is_some() {
             return Ok(None);
         }
         let mut logits = self.next_logits.take().expect("logits ready while not finished");
@@ -357,7 +460,7 @@ impl<'m, M: Decoder> Session<'m, M> {
             self.delivered = self.text.len();
         }
         if self.finished.is_none() {
-            self.next_logits = Some(self.model.feed(&[token], &mut self.cache));
+            self.unfed = Some(token);
         }
         Ok(Some((token, released)))
     }

@@ -3,6 +3,7 @@
 //! [`ModelBundle`]; the host-side [`Sampler`]; and the generation [`Session`] with [`Checkpoint`]s.
 //! It knows nothing about queues, HTTP, or which device is "better".
 
+pub mod batch;
 pub mod bundle;
 pub mod config;
 pub mod cpu;
@@ -26,8 +27,9 @@ pub use bundle::{resolve_model, ModelBundle, WeightFormat};
 pub use config::LlamaConfig;
 pub use generate::{
     generate, BurnCache, CancelToken, Checkpoint, Decoder, FinishReason, GenerateRequest, Generation, PromptInput,
-    PromptSource, Session, StreamEvent, TeacherForced, teacher_forced,
+    PromptSource, Session, StreamEvent, TeacherForced, teacher_forced, Work,
 };
+pub use batch::Batch;
 pub use cpu::{CpuModel, KvPrecision};
 pub use model::{KvCache, Llama, RopeTables};
 pub use sampler::{Sampler, SamplerState, SamplingParams};

@@ -284,29 +284,65 @@ impl CpuModel {
     /// Feeds `tokens` at position `cache.len` and returns the logits of the last one.
     pub fn step(&self, tokens: &[u32], cache: &mut CpuCache) -> Vec<f32> {
         Team::run(|team| {
-            let hidden = self.hidden(tokens, cache, team);
+            let hidden = self.hidden(&mut [Segment { tokens, cache }], false, team);
             let last = &hidden[hidden.len() - self.config.hidden_size..];
-            let head = self.head.as_ref().unwrap_or(&self.embed);
-            let mut logits = vec![0f32; head.rows];
-            head.multiply(&Activations::new(last, 1, self.config.hidden_size), &mut logits, team);
-            logits
+            self.logits(&Activations::new(last, 1, self.config.hidden_size), team)
         })
     }
 
-    /// Hidden states after the final norm, `[tokens, hidden]`.
-    fn hidden(&self, tokens: &[u32], cache: &mut CpuCache, team: &Team) -> Vec<f32> {
+    /// One decode step of several sequences at once, each `(token, its cache)`: every matrix is
+    /// read once for all of them. Each sequence's logits are exactly those [`Self::step`] gives
+    /// it alone (the rows go through the same row kernels, attention reads its own cache).
+    pub fn step_batch(&self, batch: &mut [(u32, &mut CpuCache)]) -> Vec<Vec<f32>> {
+        if batch.is_empty() {
+            return Vec::new();
+        }
+        let tokens: Vec<u32> = batch.iter().map(|(t, _)| *t).collect();
+        let mut segments: Vec<Segment> =
+            batch.iter_mut().zip(&tokens).map(|((_, cache), t)| Segment { tokens: std::slice::from_ref(t), cache }).collect();
+        Team::run(|team| {
+            let hidden = self.hidden(&mut segments, true, team);
+            let logits = self.logits(&Activations::decode_steps(&hidden, tokens.len(), self.config.hidden_size), team);
+            logits.chunks_exact(self.config.vocab_size).map(<[f32]>::to_vec).collect()
+        })
+    }
+
+    /// The head's product with final hidden states, `[rows, vocab]`.
+    fn logits(&self, hidden: &Activations, team: &Team) -> Vec<f32> {
+        let head = self.head.as_ref().unwrap_or(&self.embed);
+        let mut logits = vec![0f32; hidden.rows * head.rows];
+        head.multiply(hidden, &mut logits, team);
+        logits
+    }
+
+    /// Hidden states after the final norm, `[tokens, hidden]`, of every segment's tokens in
+    /// order. `decode_steps`: each segment is one sequence's single decode token (see
+    /// [`Activations::decode_steps`]).
+    fn hidden(&self, segments: &mut [Segment], decode_steps: bool, team: &Team) -> Vec<f32> {
         let c = &self.config;
-        let n = tokens.len();
-        let start = cache.len;
-        assert!(n > 0, "at least one token");
-        assert!(start + n <= cache.capacity, "the KV cache holds {} tokens; {} do not fit", cache.capacity, start + n);
+        let n: usize = segments.iter().map(|s| s.tokens.len()).sum();
+        assert!(segments.iter().all(|s| !s.tokens.is_empty()), "at least one token per segment");
+        for s in segments.iter() {
+            let end = s.cache.len + s.tokens.len();
+            assert!(end <= s.cache.capacity, "the KV cache holds {} tokens; {end} do not fit", s.cache.capacity);
+        }
         let (h, nh, kvh, d) = (c.hidden_size, c.num_attention_heads, c.kv_heads(), c.head_dim());
         let inter = c.intermediate_size;
+        fn acts(values: &[f32], n: usize, cols: usize, decode_steps: bool) -> Activations<'_> {
+            if decode_steps { Activations::decode_steps(values, n, cols) } else { Activations::new(values, n, cols) }
+        }
         let mut x = Vec::with_capacity(n * h);
-        for &t in tokens {
+        for &t in segments.iter().flat_map(|s| s.tokens) {
             x.extend(self.embed.dequantize_row(t as usize));
         }
-        let (cos, sin) = self.rope_tables(start, n);
+        // Each token's position: its segment's cache length plus its place in the segment.
+        let mut cos = Vec::with_capacity(n * d / 2);
+        let mut sin = Vec::with_capacity(n * d / 2);
+        for s in segments.iter() {
+            let (c, s) = self.rope_tables(s.cache.len, s.tokens.len());
+            cos.extend(c);
+            sin.extend(s);
+        }
         let mut normed = vec![0f32; n * h];
         let mut q = vec![0f32; n * nh * d];
         let mut k = vec![0f32; n * kvh * d];
@@ -317,10 +353,7 @@ impl CpuModel {
         let mut up = vec![0f32; n * inter];
         for (li, layer) in self.layers.iter().enumerate() {
             rms_norm_rows(&x, &layer.attn_norm, c.rms_norm_eps, &mut normed);
-            {
-                let acts = Activations::new(&normed, n, h);
-                multiply_all(&mut [(&layer.q, &mut q[..]), (&layer.k, &mut k[..]), (&layer.v, &mut v[..])], &acts, team);
-            }
+            multiply_all(&mut [(&layer.q, &mut q[..]), (&layer.k, &mut k[..]), (&layer.v, &mut v[..])], &acts(&normed, n, h, decode_steps), team);
             for (out, bias) in [(&mut q, &layer.q_bias), (&mut k, &layer.k_bias), (&mut v, &layer.v_bias)] {
                 if let Some(bias) = bias {
                     out.chunks_exact_mut(bias.len()).for_each(|row| row.iter_mut().zip(bias).for_each(|(o, b)| *o += b));
@@ -331,21 +364,25 @@ impl CpuModel {
                 self.rope(&mut q[t * nh * d..(t + 1) * nh * d], cos, sin, d);
                 self.rope(&mut k[t * kvh * d..(t + 1) * kvh * d], cos, sin, d);
             }
-            cache.write(li, start, n, kvh, d, &k, &v);
-            cache.attend(li, start, n, nh, kvh, d, &q, &mut attn, team);
-            layer.o.multiply(&Activations::new(&attn, n, nh * d), &mut proj, team);
+            let mut first = 0;
+            for s in segments.iter_mut() {
+                let len = s.tokens.len();
+                s.cache.write(li, s.cache.len, len, kvh, d, &k[first * kvh * d..(first + len) * kvh * d], &v[first * kvh * d..(first + len) * kvh * d]);
+                first += len;
+            }
+            attend(segments, li, nh, kvh, d, &q, &mut attn, team);
+            layer.o.multiply(&acts(&attn, n, nh * d, decode_steps), &mut proj, team);
             x.iter_mut().zip(&proj).for_each(|(x, p)| *x += p);
 
             rms_norm_rows(&x, &layer.mlp_norm, c.rms_norm_eps, &mut normed);
-            {
-                let acts = Activations::new(&normed, n, h);
-                multiply_all(&mut [(&layer.gate, &mut gate[..]), (&layer.up, &mut up[..])], &acts, team);
-            }
+            multiply_all(&mut [(&layer.gate, &mut gate[..]), (&layer.up, &mut up[..])], &acts(&normed, n, h, decode_steps), team);
             gate.iter_mut().zip(&up).for_each(|(g, u)| *g = *g / (1.0 + (-*g).exp()) * u);
-            layer.down.multiply(&Activations::new(&gate, n, inter), &mut proj, team);
+            layer.down.multiply(&acts(&gate, n, inter, decode_steps), &mut proj, team);
             x.iter_mut().zip(&proj).for_each(|(x, p)| *x += p);
         }
-        cache.len = start + n;
+        for s in segments.iter_mut() {
+            s.cache.len += s.tokens.len();
+        }
         rms_norm_rows(&x, &self.norm, c.rms_norm_eps, &mut normed);
         normed
     }
@@ -469,40 +506,55 @@ impl CpuCache {
             }
         }
     }
+}
 
-    /// Causal attention of the `n` new queries (positions `start..start + n`) over the cache.
-    #[allow(clippy::too_many_arguments)]
-    fn attend(&self, layer: usize, start: usize, n: usize, nh: usize, kvh: usize, d: usize, q: &[f32], out: &mut [f32], team: &Team) {
-        let (keys, values, capacity) = (&self.keys[layer], &self.values[layer], self.capacity);
-        let rep = nh / kvh;
-        let scale = 1.0 / (d as f32).sqrt();
-        let per_item = |item: usize, out: &mut [f32]| {
-            let (t, head) = (item / nh, item % nh);
-            let g = head / rep;
-            let seen = start + t + 1;
-            let qh = &q[(t * nh + head) * d..(t * nh + head + 1) * d];
-            let mut scores = vec![0f32; seen];
-            keys.dot_rows(g * capacity, d, qh, &mut scores);
-            let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-            let mut total = 0f32;
-            for s in scores.iter_mut() {
-                *s = ((*s - max) * scale).exp();
-                total += *s;
-            }
-            let inv = 1.0 / total;
-            scores.iter_mut().for_each(|s| *s *= inv);
-            out.fill(0.0);
-            values.add_weighted_rows(g * capacity, d, &scores, out);
-        };
-        // Heads of a short context are too little work to hand out.
-        let work = n * nh * (start + n) * d;
-        if work >= 64 * 1024 {
-            let shared = SharedPtr(out.as_mut_ptr());
-            // SAFETY: item i writes its own `d` values.
-            team.for_each(n * nh, |i| per_item(i, unsafe { shared.slice(i * d, d) }));
-        } else {
-            out.chunks_mut(d).enumerate().for_each(|(i, o)| per_item(i, o));
+/// One sequence's tokens in a forward pass, and its KV cache.
+struct Segment<'a> {
+    tokens: &'a [u32],
+    cache: &'a mut CpuCache,
+}
+
+/// Causal attention of every segment's new queries (`q`, the segments' tokens in order, written
+/// to the cache already) over that segment's own cache.
+#[allow(clippy::too_many_arguments)]
+fn attend(segments: &[Segment], layer: usize, nh: usize, kvh: usize, d: usize, q: &[f32], out: &mut [f32], team: &Team) {
+    let rep = nh / kvh;
+    let scale = 1.0 / (d as f32).sqrt();
+    // (segment, position in the cache) of each token.
+    let places: Vec<(usize, usize)> = segments
+        .iter()
+        .enumerate()
+        .flat_map(|(i, s)| (0..s.tokens.len()).map(move |t| (i, s.cache.len + t)))
+        .collect();
+    let per_item = |item: usize, out: &mut [f32]| {
+        let (token, head) = (item / nh, item % nh);
+        let (segment, position) = places[token];
+        let cache = &segments[segment].cache;
+        let (keys, values, capacity) = (&cache.keys[layer], &cache.values[layer], cache.capacity);
+        let g = head / rep;
+        let seen = position + 1;
+        let qh = &q[(token * nh + head) * d..(token * nh + head + 1) * d];
+        let mut scores = vec![0f32; seen];
+        keys.dot_rows(g * capacity, d, qh, &mut scores);
+        let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+        let mut total = 0f32;
+        for s in scores.iter_mut() {
+            *s = ((*s - max) * scale).exp();
+            total += *s;
         }
+        let inv = 1.0 / total;
+        scores.iter_mut().for_each(|s| *s *= inv);
+        out.fill(0.0);
+        values.add_weighted_rows(g * capacity, d, &scores, out);
+    };
+    // Heads of a short context are too little work to hand out.
+    let work: usize = places.iter().map(|&(_, position)| nh * (position + 1) * d).sum();
+    if work >= 64 * 1024 {
+        let shared = SharedPtr(out.as_mut_ptr());
+        // SAFETY: item i writes its own `d` values.
+        team.for_each(places.len() * nh, |i| per_item(i, unsafe { shared.slice(i * d, d) }));
+    } else {
+        out.chunks_mut(d).enumerate().for_each(|(i, o)| per_item(i, o));
     }
 }
 

@@ -192,7 +192,7 @@ pub fn multiply_all(products: &mut [(&PackedMatrix, &mut [f32])], x: &Activation
         assert_eq!(out.len(), tokens * m.rows);
         let mut tile = tile_rows(m.rows, tokens, m.cols, team.threads());
         assert_eq!(x.cols, m.cols, "activations have {} columns, the weights {}", x.cols, m.cols);
-        let kind = tile_kind(kernels, m.ty, tokens);
+        let kind = if x.separate_steps { None } else { tile_kind(kernels, m.ty, tokens) };
         let product = match kind {
             None => Product::Rows(m.rows_dot(x, team)),
             Some(TileKind::Float(unpack, kernel)) => {
@@ -327,6 +327,11 @@ pub struct Activations<'a> {
     values: &'a [f32],
     pub rows: usize,
     pub cols: usize,
+    /// Rows of several sequences' decode steps: they go through the row kernels, which give each
+    /// row exactly what it gets alone (one or two tokens per call, the same sums either way), so
+    /// a sequence's tokens do not depend on which others share its steps. The tiles add in
+    /// another order than the row kernels.
+    separate_steps: bool,
     q32: OnceLock<Vec<Q8x32>>,
     q256: OnceLock<Vec<Q8x256>>,
 }
@@ -334,7 +339,12 @@ pub struct Activations<'a> {
 impl<'a> Activations<'a> {
     pub fn new(values: &'a [f32], rows: usize, cols: usize) -> Self {
         assert_eq!(values.len(), rows * cols);
-        Self { values, rows, cols, q32: OnceLock::new(), q256: OnceLock::new() }
+        Self { values, rows, cols, separate_steps: false, q32: OnceLock::new(), q256: OnceLock::new() }
+    }
+
+    /// One row per sequence, each its decode step (see `separate_steps`).
+    pub fn decode_steps(values: &'a [f32], rows: usize, cols: usize) -> Self {
+        Self { separate_steps: !crate::test_defect("batch-tiles"), ..Self::new(values, rows, cols) }
     }
 
     fn row_f32(&self, t: usize) -> &[f32] {

@@ -1,0 +1,188 @@
+//! Continuous batching: a sequence's logits and tokens do not depend on which other sequences
+//! share its steps. Checked on random packed models of every type the CPU multiplies packed and
+//! on the default model, with sequences of different lengths joining and leaving at different
+//! steps, a resumed checkpoint and a sampled request among them.
+
+use std::path::Path;
+
+use headroom_model::batch::generate_together;
+use headroom_model::fixture::{tiny_config, write_gguf_from_folder, write_random_folder, write_random_packed_gguf};
+use headroom_model::quants::GgmlType;
+use headroom_model::{generate, CancelToken, Decoder, GenerateRequest, LlamaConfig, ModelBundle, SamplingParams, StoreDtype};
+
+/// Hidden sizes that are whole K-quant super-blocks (256).
+fn packed_config() -> LlamaConfig {
+    LlamaConfig { hidden_size: 256, intermediate_size: 512, num_attention_heads: 4, num_key_value_heads: Some(2), ..tiny_config() }
+}
+
+fn packed_file(dir: &Path, ty: GgmlType) -> ModelBundle {
+    let folder = dir.join("folder");
+    write_random_folder(&folder, &packed_config(), 9, StoreDtype::F32).unwrap();
+    let file = dir.join(format!("{ty}.gguf"));
+    if matches!(ty, GgmlType::F32 | GgmlType::F16) {
+        write_gguf_from_folder(&folder, &file, ty).unwrap();
+    } else {
+        let f32_file = dir.join("f32.gguf");
+        write_gguf_from_folder(&folder, &f32_file, GgmlType::F32).unwrap();
+        write_random_packed_gguf(&f32_file, &file, ty, 17).unwrap();
+    }
+    ModelBundle::open(&file).unwrap()
+}
+
+const TYPES: [GgmlType; 8] =
+    [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K, GgmlType::F16, GgmlType::F32];
+
+/// Four sequences at different positions (prompts of 1, 3, 7 and 19 tokens), fed one token
+/// each per batched step for 12 steps: every step's logits equal, bit for bit, what the same
+/// sequence gets fed alone. A fifth sequence joins at step 5 (the batch's size changes).
+#[test]
+fn batched_decode_steps_equal_lone_steps_exactly() {
+    for ty in TYPES {
+        let dir = tempfile::tempdir().unwrap();
+        let bundle = packed_file(dir.path(), ty);
+        let model = bundle.load_cpu(|_, _| {}).unwrap();
+        let vocab = bundle.config.vocab_size as u32;
+        let prompts: Vec<Vec<u32>> = [1usize, 3, 7, 19, 5].iter().map(|&n| (0..n as u32).map(|i| (i * 37 + n as u32) % vocab).collect()).collect();
+        let steps = 12;
+        let token = |s: usize, i: usize| ((s * 131 + i * 17 + 3) as u32) % vocab;
+        // Alone: a prefill, then one token per step.
+        let alone: Vec<Vec<Vec<f32>>> = prompts
+            .iter()
+            .enumerate()
+            .map(|(s, prompt)| {
+                let mut cache = Decoder::new_cache(&model, &bundle.config, prompt.len() + steps);
+                model.feed(prompt, &mut cache);
+                (0..steps).map(|i| model.feed(&[token(s, i)], &mut cache)).collect()
+            })
+            .collect();
+        let mut caches: Vec<_> = prompts.iter().map(|p| Decoder::new_cache(&model, &bundle.config, p.len() + steps)).collect();
+        let mut step_of = vec![0usize; prompts.len()];
+        for (s, prompt) in prompts.iter().enumerate().take(4) {
+            model.feed(prompt, &mut caches[s]);
+        }
+        for round in 0..steps + 5 {
+            if round == 5 {
+                model.feed(&prompts[4], &mut caches[4]);
+            }
+            let members: Vec<usize> = (0..prompts.len()).filter(|&s| (s < 4 || round >= 5) && step_of[s] < steps).collect();
+            let mut batch: Vec<(u32, &mut _)> = Vec::new();
+            for (s, cache) in caches.iter_mut().enumerate() {
+                if members.contains(&s) {
+                    batch.push((token(s, step_of[s]), cache));
+                }
+            }
+            let logits = model.feed_batch(&mut batch);
+            for (&s, got) in members.iter().zip(&logits) {
+                let want = &alone[s][step_of[s]];
+                assert!(got == want, "{ty}: sequence {s} step {}: batched logits differ from its lone step (batch of {})", step_of[s], members.len());
+                step_of[s] += 1;
+            }
+        }
+        assert!(step_of.iter().all(|&n| n == steps));
+    }
+}
+
+/// Runs `test` of this binary with decode rows sent through the prefill tiles (which add in
+/// another order than the row kernels) and asserts that it fails saying `says`.
+fn fails_with_tiles_in_batches(test: &str, says: &str) {
+    let output = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--test-threads", "1"])
+        .env("HEADROOM_TEST_DEFECT", "batch-tiles")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(!output.status.success() && stdout.contains(says), "with the defect {test} still passed: {stdout}");
+}
+
+/// Whether a negative control can run here: not inside another control, and on a processor
+/// whose kernels have tiles (without them the defect changes nothing).
+fn controls_apply() -> bool {
+    if std::env::var_os("HEADROOM_TEST_DEFECT").is_some() {
+        return false;
+    }
+    let tiles = headroom_model::cpu::dot::Kernels::detect().k_tile.is_some();
+    if !tiles {
+        eprintln!("this processor's kernels have no tiles; the control is skipped");
+    }
+    tiles
+}
+
+/// The negative control of the exact check.
+#[test]
+fn batched_decode_through_tiles_fails_the_exact_check() {
+    if controls_apply() {
+        fails_with_tiles_in_batches("batched_decode_steps_equal_lone_steps_exactly", "batched logits differ");
+    }
+}
+
+/// Requests of a batch: different prompt lengths and max_tokens (they leave at different
+/// steps), a resumed checkpoint, one sampled with a seed.
+fn requests(bundle: &ModelBundle, prompts: &[Vec<u32>]) -> Vec<GenerateRequest> {
+    let mut out: Vec<GenerateRequest> =
+        prompts.iter().enumerate().map(|(i, p)| GenerateRequest::new(p.clone(), 6 + 5 * i, SamplingParams::default())).collect();
+    out[1].sampling = SamplingParams { temperature: 0.8, top_p: 0.95, seed: 7, ..SamplingParams::default() };
+    // A resume: the checkpoint of a lone run stopped after 4 tokens.
+    let mut first = out[2].clone();
+    first.max_tokens = 4;
+    let checkpoint = generate(&bundle_model(bundle), bundle, &first, &CancelToken::new(), |_| {}).unwrap().checkpoint;
+    out[2].resume = Some(checkpoint);
+    for r in &mut out {
+        r.ignore_eos = true;
+    }
+    out
+}
+
+fn bundle_model(bundle: &ModelBundle) -> headroom_model::CpuModel {
+    bundle.load_cpu(|_, _| {}).unwrap()
+}
+
+fn alone_and_together(bundle: &ModelBundle, prompts: &[Vec<u32>]) {
+    let model = bundle_model(bundle);
+    let requests = requests(bundle, prompts);
+    let alone: Vec<Vec<u32>> = requests.iter().map(|r| generate(&model, bundle, r, &CancelToken::new(), |_| {}).unwrap().tokens).collect();
+    let together = generate_together(&model, bundle, &requests).unwrap();
+    for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+        assert_eq!(a, t, "request {i}: tokens alone vs in a batch of {}", requests.len());
+        assert_eq!(a.len(), requests[i].max_tokens, "request {i} ran to its max_tokens");
+    }
+}
+
+/// Whole requests through the batch scheduler give the tokens they give alone, every type.
+#[test]
+fn requests_give_the_same_tokens_alone_and_in_a_batch_of_four() {
+    for ty in TYPES {
+        let dir = tempfile::tempdir().unwrap();
+        let bundle = packed_file(dir.path(), ty);
+        let vocab = bundle.config.vocab_size as u32;
+        let prompts: Vec<Vec<u32>> = [3usize, 9, 21, 1].iter().map(|&n| (0..n as u32).map(|i| (i * 53 + 11 * n as u32) % vocab).collect()).collect();
+        alone_and_together(&bundle, &prompts);
+    }
+}
+
+/// The same on the default model (SmolLM2-135M Q4_1) with chat prompts.
+#[test]
+fn the_default_model_gives_the_same_tokens_alone_and_in_a_batch_of_four() {
+    let Some(bundle) = default_model() else { return };
+    let prompts: Vec<Vec<u32>> = ["What is the capital of France?", "Write a haiku about rain.", "Hi", "List three prime numbers and explain why each is prime."]
+        .iter()
+        .map(|q| bundle.chat_prompt(&[headroom_model::ChatMessage::new("user", *q)], None).unwrap())
+        .collect();
+    alone_and_together(&bundle, &prompts);
+}
+
+fn default_model() -> Option<ModelBundle> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !path.exists() {
+        eprintln!("{} is not installed; skipped", path.display());
+        return None;
+    }
+    Some(ModelBundle::open(&path).unwrap())
+}
+
+/// Its negative control: with tiles in batched steps the default model's tokens part ways.
+#[test]
+fn the_default_model_check_fails_with_tiles_in_batches() {
+    if controls_apply() && default_model().is_some() {
+        fails_with_tiles_in_batches("the_default_model_gives_the_same_tokens_alone_and_in_a_batch_of_four", "tokens alone vs in a batch");
+    }
+}
