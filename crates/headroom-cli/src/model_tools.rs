@@ -52,6 +52,10 @@ pub enum ModelCommand {
         /// Skip measuring the read bandwidth (no memory-bandwidth bound in the output).
         #[arg(long)]
         no_bandwidth: bool,
+        /// Also decode this many sequences at once through a worker's batch (comma-separated),
+        /// reporting the aggregate decode tokens/s of each count: `--concurrency 1,2,4,8`.
+        #[arg(long, value_delimiter = ',')]
+        concurrency: Vec<usize>,
     },
     /// Writes one tensor of a GGUF file, dequantized, as little-endian f32 (for comparing with
     /// other readers).
@@ -71,11 +75,12 @@ pub enum KvArg {
 
 pub fn run(command: ModelCommand) -> Result<()> {
     match command {
-        ModelCommand::Bench { model, prompt_tokens, decode_tokens, runs, threads, kv, no_bandwidth } => {
+        ModelCommand::Bench { model, prompt_tokens, decode_tokens, runs, threads, kv, no_bandwidth, concurrency } => {
             if let Some(n) = threads {
                 rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("cannot size the thread pool")?;
             }
-            bench(&crate::open_bundle(&model)?, prompt_tokens, decode_tokens, runs.max(1), kv, !no_bandwidth)
+            let shape = BenchShape { prompt_tokens, decode_tokens, runs: runs.max(1), concurrency };
+            bench(&crate::open_bundle(&model)?, &shape, kv, !no_bandwidth)
         }
         ModelCommand::Inspect { model, json } => inspect(&crate::open_bundle(&model)?, json),
         ModelCommand::Tokenize { model } => {
@@ -168,8 +173,17 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn bench(bundle: &ModelBundle, prompt_tokens: usize, decode_tokens: usize, runs: usize, kv: KvArg, measure_bandwidth: bool) -> Result<()> {
+struct BenchShape {
+    prompt_tokens: usize,
+    decode_tokens: usize,
+    runs: usize,
+    /// Sequence counts decoded together.
+    concurrency: Vec<usize>,
+}
+
+fn bench(bundle: &ModelBundle, shape: &BenchShape, kv: KvArg, measure_bandwidth: bool) -> Result<()> {
     use headroom_memory::observe::{process_resident, reset_resident_peak};
+    let BenchShape { prompt_tokens, decode_tokens, runs, .. } = *shape;
     use headroom_model::{generate, CancelToken, GenerateRequest, SamplingParams};
     let kv_precision = match kv {
         KvArg::F32 => headroom_model::KvPrecision::F32,
@@ -216,6 +230,17 @@ fn bench(bundle: &ModelBundle, prompt_tokens: usize, decode_tokens: usize, runs:
         (Some(b), Some(a), true) => Some(a.peak_bytes.saturating_sub(b.now_bytes)),
         _ => None,
     };
+    let mut concurrent = Vec::new();
+    for &n in &shape.concurrency {
+        let mut rates = Vec::new();
+        for run in 0..=runs {
+            let rate = headroom_model::batch::decode_throughput(&model, bundle, &request, n)?;
+            if run > 0 {
+                rates.push(rate);
+            }
+        }
+        concurrent.push((n, median(rates)));
+    }
     let bandwidth = measure_bandwidth.then(read_bandwidth_bytes_per_s);
     let decode_tok_s = median(decode);
     // A decode step reads every weight once (the embedding only for its one row, unless it is
@@ -240,6 +265,13 @@ fn bench(bundle: &ModelBundle, prompt_tokens: usize, decode_tokens: usize, runs:
         "read_bandwidth_gb_s": bandwidth.map(|b| b / 1e9),
         "bandwidth_bound_tok_s": bound_tok_s,
         "share_of_bound": bound_tok_s.map(|b| decode_tok_s / b),
+        "concurrent": concurrent.iter().map(|&(n, tok_s)| serde_json::json!({
+            "sequences": n,
+            "decode_tok_s": tok_s,
+            "per_sequence_tok_s": tok_s / n as f64,
+            // A step reads the weights once for every sequence.
+            "bandwidth_bound_tok_s": bound_tok_s.map(|b| b * n as f64),
+        })).collect::<Vec<_>>(),
         "resident_bytes": resident,
         "predicted_resident_bytes": predicted_resident,
         "resident_error_percent": resident.map(|r| (predicted_resident as f64 - r as f64) / r as f64 * 100.0),

@@ -1,16 +1,18 @@
-//! The worker process's main loop: read router frames from stdin, run each generation on a thread
-//! of its own, write events to stdout. One worker holds one model on one device.
+//! The worker process's main loop: read router frames from stdin, hand each generation to the
+//! model's batch thread, write events to stdout. One worker holds one model on one device; its
+//! running requests advance together, one batched step at a time ([`headroom_model::batch`]).
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use headroom_memory::{Ledger, MemoryConfig, Planner, RequestShape, Reservation};
-use headroom_model::{CancelToken, CpuModel, Decoder, GenerateRequest, ModelBundle, Session};
+use headroom_model::{Batch, CancelToken, CpuModel, Decoder, GenerateRequest, ModelBundle, Session};
 #[cfg(feature = "cuda")]
 use headroom_model::Llama;
 
@@ -59,6 +61,8 @@ struct State {
     options: WorkerOptions,
     out: Outbox,
     loaded: Mutex<Option<Arc<Loaded>>>,
+    /// The loaded model's batch thread takes the jobs sent here.
+    jobs: Mutex<Option<Sender<(GenerateJob, CancelToken)>>>,
     active: Mutex<HashMap<String, CancelToken>>,
     faults: FaultState,
     /// Simulated VRAM (sim only).
@@ -83,6 +87,7 @@ pub fn run(options: WorkerOptions, input: impl Read, output: impl Write + Send +
     let state = Arc::new(State {
         out: Outbox(Arc::new(Mutex::new(Box::new(output)))),
         loaded: Mutex::new(None),
+        jobs: Mutex::new(None),
         active: Mutex::new(HashMap::new()),
         faults: FaultState::new(ledger.clone()),
         ledger,
@@ -118,7 +123,7 @@ pub fn run(options: WorkerOptions, input: impl Read, output: impl Write + Send +
         // A hung device answers nothing, not even health checks.
         state.faults.block_if_hung();
         match message {
-            ToWorker::Load { model_dir } => state.load(Path::new(&model_dir)),
+            ToWorker::Load { model_dir } => state.clone().load(Path::new(&model_dir)),
             ToWorker::Generate(job) => state.start_job(job),
             ToWorker::Cancel { request_id } => {
                 if let Some(token) = state.active.lock().unwrap().get(&request_id) {
@@ -152,7 +157,7 @@ impl State {
         self.out.send(&failure(request_id, kind, message));
     }
 
-    fn load(&self, dir: &Path) {
+    fn load(self: Arc<Self>, dir: &Path) {
         let started = Instant::now();
         let bundle = match ModelBundle::open(dir) {
             Ok(b) => b,
@@ -186,6 +191,16 @@ impl State {
         let context = self.context_limit(&bundle);
         let loaded = Arc::new(Loaded { bundle, engine, planner, _weights: weights });
         *self.loaded.lock().unwrap() = Some(loaded.clone());
+        // A model loaded again replaces the batch thread: the old one finishes what it runs and
+        // ends when its channel closes.
+        let (jobs, receiver) = channel();
+        *self.jobs.lock().unwrap() = Some(jobs);
+        let state = self.clone();
+        let model = loaded.clone();
+        std::thread::Builder::new()
+            .name("batch".into())
+            .spawn(move || state.serve_batch(&model, receiver))
+            .expect("cannot start the batch thread");
         self.out.send(&FromWorker::Ready {
             bundle_hash: loaded.bundle.hash.clone(),
             model_name: loaded.bundle.name(),
@@ -327,7 +342,8 @@ impl State {
     }
 
     fn start_job(self: &Arc<Self>, job: GenerateJob) {
-        let Some(loaded) = self.loaded.lock().unwrap().clone() else {
+        let jobs = self.jobs.lock().unwrap().clone();
+        let Some(jobs) = jobs else {
             return self.failed(Some(&job.request_id), FailureKind::Internal, "no model is loaded yet".into());
         };
         let cancel = CancelToken::new();
@@ -349,31 +365,145 @@ impl State {
             }
             active.insert(job.request_id.clone(), cancel.clone());
         }
-        let state = self.clone();
-        std::thread::spawn(move || {
-            let id = job.request_id.clone();
-            let (last, device_fault) = state.run_job(&loaded, job, &cancel);
-            // The slot and the reservation are free before the router hears the request ended,
-            // so the next request it sends here is never refused as busy or out of memory.
-            state.active.lock().unwrap().remove(&id);
-            state.out.send(&last);
-            if device_fault {
-                state.exit_after_device_fault();
-            }
-            state.read_memory();
-        });
+        let id = job.request_id.clone();
+        if jobs.send((job, cancel)).is_err() {
+            self.finish(&id, failure(Some(&id), FailureKind::Internal, "the batch thread has ended".into()));
+        }
     }
 
-    /// Runs one request, streaming its tokens; returns its final frame (done or failed), to be
-    /// sent once its slot is released, and whether the device faulted.
-    fn run_job(&self, loaded: &Loaded, job: GenerateJob, cancel: &CancelToken) -> (FromWorker, bool) {
+    /// Ends a request: frees its slot, then tells the router (so the next request it sends here
+    /// is never refused as busy).
+    fn finish(&self, id: &str, last: FromWorker) {
+        self.active.lock().unwrap().remove(id);
+        self.out.send(&last);
+    }
+
+    /// The batch thread of a loaded model: runs its requests together until the model is
+    /// replaced (its job channel closes) and nothing runs.
+    fn serve_batch(&self, loaded: &Loaded, jobs: Receiver<(GenerateJob, CancelToken)>) {
+        match &loaded.engine {
+            Engine::Cpu(model) => self.drive(model, loaded, &jobs),
+            #[cfg(feature = "cuda")]
+            Engine::Cuda(model, _) => self.drive(model, loaded, &jobs),
+        }
+    }
+
+    fn drive<M: Decoder>(&self, model: &M, loaded: &Loaded, jobs: &Receiver<(GenerateJob, CancelToken)>) {
+        let mut batch: Batch<M, String> = Batch::new(model);
+        let mut running: HashMap<String, Running> = HashMap::new();
+        loop {
+            // Requests join between steps; an idle worker waits for one.
+            let mut incoming = Vec::new();
+            if batch.is_empty() {
+                match jobs.recv() {
+                    Ok(job) => incoming.push(job),
+                    Err(_) => return,
+                }
+            }
+            incoming.extend(jobs.try_iter());
+            for (job, cancel) in incoming {
+                let id = job.request_id.clone();
+                match self.admit(model, loaded, &job) {
+                    Ok((session, run)) => {
+                        running.insert(id.clone(), run);
+                        batch.join(id, session, cancel);
+                    }
+                    Err((last, device_fault)) => {
+                        self.finish(&id, last);
+                        if device_fault {
+                            self.exit_after_device_fault();
+                        }
+                    }
+                }
+            }
+            if batch.is_empty() {
+                continue;
+            }
+            let step_started = Instant::now();
+            let mut faulted = Vec::new();
+            let stepped = catch_unwind(AssertUnwindSafe(|| {
+                batch.step(|id, session, token, text| {
+                    let run = running.get_mut(id).expect("every batched request is running");
+                    let eos = session.finished().is_some() && session.generated().last() != Some(&token);
+                    if let Some(n) = run.oom_after.as_mut() {
+                        if *n == 0 {
+                            faulted.push(id.clone());
+                            return false;
+                        }
+                        *n -= 1;
+                    }
+                    self.out.send(&FromWorker::Token {
+                        request_id: id.clone(),
+                        index: run.index,
+                        token,
+                        text,
+                        eos,
+                        rng_word_pos: session.sampler_state().rng_word_pos,
+                    });
+                    run.decode_started.get_or_insert_with(Instant::now);
+                    run.index += 1;
+                    run.produced += 1;
+                    match self.faults.after_token() {
+                        TokenVerdict::Continue => true,
+                        TokenVerdict::Reset => {
+                            tracing::warn!(request_id = %id, "simulated device reset mid-request: exiting");
+                            std::process::exit(RESET_EXIT_CODE);
+                        }
+                    }
+                })
+            }));
+            self.progress.fetch_add(1, Ordering::SeqCst);
+            let left = match stepped {
+                Ok(left) => left,
+                Err(panic) => {
+                    // A step that panicked leaves every cache of the batch in doubt: all of its
+                    // requests fail (replayable where the device is to blame).
+                    let (kind, message) = classify_panic(&panic);
+                    tracing::error!(?kind, %message, requests = running.len(), "a batched step panicked");
+                    batch = Batch::new(model);
+                    for (id, run) in running.drain() {
+                        drop(run);
+                        self.finish(&id, failure(Some(&id), kind, message.clone()));
+                    }
+                    if matches!(self.options.device, Device::Cuda(_)) {
+                        self.exit_after_device_fault();
+                    }
+                    continue;
+                }
+            };
+            self.faults.slow_down(step_started.elapsed());
+            if left.is_empty() {
+                continue;
+            }
+            for gone in left {
+                let run = running.remove(&gone.key).expect("every batched request is running");
+                let last = run.last_frame(&gone.key, &gone.session, gone.error, faulted.contains(&gone.key));
+                // The reservation is free before the router hears the request ended.
+                drop(run);
+                self.finish(&gone.key, last);
+            }
+            self.read_memory();
+        }
+    }
+
+    /// Checks a job and readies its session (nothing computed yet): the context limit, the
+    /// fallback's own tokens, the KV cache and workspace reserved on the (simulated) device. A
+    /// refusal is the request's final frame, and whether the device faulted.
+    #[allow(clippy::result_large_err)] // a refusal is rare and goes straight to the router
+    fn admit<'m, M: Decoder>(
+        &self,
+        model: &'m M,
+        loaded: &'m Loaded,
+        job: &GenerateJob,
+    ) -> Result<(Session<'m, M>, Running), (FromWorker, bool)> {
         let id = job.request_id.as_str();
+        let refuse = |kind, message: String| (failure(Some(id), kind, message), false);
         // A fallback model tokenizes the client's prompt itself (unless a test switched that
         // off, as the negative control of the fallback-tokenizer test).
         let own = match loaded.bundle.own_request(&job.request) {
             Ok(_) if std::env::var_os("HEADROOM_TEST_IGNORE_PROMPT_SOURCE").is_some() => None,
             Ok(own) => own,
-            Err(e) => return (failure(Some(id), FailureKind::Invalid, e.to_string()), false),
+            Err(e) => return Err(refuse(FailureKind::Invalid, e.to_string())),
         };
         let request = own.as_ref().unwrap_or(&job.request);
         let context = self.context_limit(&loaded.bundle);
@@ -383,19 +513,19 @@ impl State {
             } else {
                 e.to_string()
             };
-            return (failure(Some(id), FailureKind::Invalid, message), false);
+            return Err(refuse(FailureKind::Invalid, message));
         }
         // The KV cache and workspace are reserved up front, so an admitted stream never runs out
         // of (simulated) device memory half way.
-        let _reservation = match &self.ledger {
+        let reservation = match &self.ledger {
             Some(ledger) => {
                 if self.faults.take_oom_next_allocation() {
-                    return (failure(Some(id), FailureKind::Oom, "simulated out-of-memory allocating the KV cache".into()), false);
+                    return Err(refuse(FailureKind::Oom, "simulated out-of-memory allocating the KV cache".into()));
                 }
                 let footprint = loaded.planner.footprint(RequestShape::of(request));
                 match ledger.try_reserve(id, footprint.request_bytes()) {
                     Ok(r) => Some(r),
-                    Err(e) => return (failure(Some(id), FailureKind::Oom, format!("out of memory for the KV cache: {e}")), false),
+                    Err(e) => return Err(refuse(FailureKind::Oom, format!("out of memory for the KV cache: {e}"))),
                 }
             }
             None => None,
@@ -407,98 +537,24 @@ impl State {
             self.faults.with_device(|| ());
             self.read_memory();
         }
-        let outcome = catch_unwind(AssertUnwindSafe(|| match &loaded.engine {
-            Engine::Cpu(model) => self.stream(model, loaded, id, request, cancel),
-            #[cfg(feature = "cuda")]
-            Engine::Cuda(model, _) => self.stream(model, loaded, id, request, cancel),
-        }));
-        match outcome {
-            Ok(last) => (last, false),
+        let session = match catch_unwind(AssertUnwindSafe(|| Session::new(model, &loaded.bundle, request))) {
+            Ok(Ok(session)) => session,
+            Ok(Err(e)) => return Err(refuse(FailureKind::Invalid, e.to_string())),
             Err(panic) => {
                 let (kind, message) = classify_panic(&panic);
-                tracing::error!(request_id = id, ?kind, %message, "generation panicked");
-                (failure(Some(id), kind, message), matches!(self.options.device, Device::Cuda(_)))
+                tracing::error!(request_id = id, ?kind, %message, "allocating the KV cache panicked");
+                return Err((failure(Some(id), kind, message), matches!(self.options.device, Device::Cuda(_))));
             }
-        }
-    }
-
-    fn stream<M: Decoder>(
-        &self,
-        model: &M,
-        loaded: &Loaded,
-        id: &str,
-        request: &GenerateRequest,
-        cancel: &CancelToken,
-    ) -> FromWorker {
-        let bundle = &loaded.bundle;
-        let mut session = match Session::start(model, bundle, request, cancel) {
-            Ok(s) => s,
-            Err(e) => return failure(Some(id), FailureKind::Invalid, e.to_string()),
         };
-        self.progress.fetch_add(1, Ordering::SeqCst);
-        let mut oom_after = self.faults.take_oom_after_tokens();
-        let decode_started = Instant::now();
-        let mut index = session.generated().len() as u32;
-        let mut produced = 0u32;
-        loop {
-            let step_started = Instant::now();
-            let next = match session.next(cancel) {
-                Ok(n) => n,
-                Err(e) => return failure(Some(id), FailureKind::Internal, e.to_string()),
-            };
-            let Some((token, text)) = next else { break };
-            self.progress.fetch_add(1, Ordering::SeqCst);
-            let eos = session.finished().is_some() && session.generated().last() != Some(&token);
-            self.faults.slow_down(step_started.elapsed());
-            if let Some(n) = oom_after.as_mut() {
-                if *n == 0 {
-                    return FromWorker::Failed {
-                        request_id: Some(id.to_string()),
-                        kind: FailureKind::Oom,
-                        message: format!("simulated out-of-memory after {produced} tokens"),
-                        replayable: true,
-                        checkpoint: Some(session.checkpoint()),
-                    };
-                }
-                *n -= 1;
-            }
-            self.out.send(&FromWorker::Token {
-                request_id: id.to_string(),
-                index,
-                token,
-                text,
-                eos,
-                rng_word_pos: session.sampler_state().rng_word_pos,
-            });
-            index += 1;
-            produced += 1;
-            match self.faults.after_token() {
-                TokenVerdict::Continue => {}
-                TokenVerdict::Reset => {
-                    tracing::warn!(request_id = id, "simulated device reset mid-request: exiting");
-                    std::process::exit(RESET_EXIT_CODE);
-                }
-            }
-        }
-        let finish_reason = session.finished().unwrap_or(headroom_model::FinishReason::Length);
-        if finish_reason == headroom_model::FinishReason::Cancelled {
-            return FromWorker::Failed {
-                request_id: Some(id.to_string()),
-                kind: FailureKind::Cancelled,
-                message: "cancelled by the router".into(),
-                replayable: false,
-                checkpoint: Some(session.checkpoint()),
-            };
-        }
-        FromWorker::Done {
-            request_id: id.to_string(),
-            finish_reason,
+        let run = Running {
+            _reservation: reservation,
+            oom_after: self.faults.take_oom_after_tokens(),
+            index: session.generated().len() as u32,
+            produced: 0,
             prompt_tokens: request.prompt_tokens.len() as u32,
-            completion_tokens: session.generated().len() as u32,
-            prefill_ms: session.prefill_ms,
-            decode_ms: decode_started.elapsed().as_secs_f64() * 1000.0,
-            checkpoint: session.checkpoint(),
-        }
+            decode_started: None,
+        };
+        Ok((session, run))
     }
 
     /// Half-open check: hold a canary allocation on the device and run one token.
@@ -558,6 +614,57 @@ impl State {
     fn exit_after_device_fault(&self) -> ! {
         tracing::error!(device = %self.options.device.label(), "device fault: exiting so the router restarts a clean worker");
         std::process::exit(DEVICE_FAULT_EXIT_CODE);
+    }
+}
+
+/// A request in the batch: what the worker tracks beside its session.
+struct Running {
+    /// Its KV cache and workspace on the sim device, held until it leaves the batch.
+    _reservation: Option<Reservation>,
+    /// Tokens left before an injected out-of-memory fails it.
+    oom_after: Option<u32>,
+    /// The index of its next token (a resume continues the checkpoint's count).
+    index: u32,
+    produced: u32,
+    prompt_tokens: u32,
+    decode_started: Option<Instant>,
+}
+
+impl Running {
+    /// The frame that ends a request which left the batch: done, cancelled, failed by an
+    /// injected out-of-memory (with its checkpoint, to resume elsewhere) or by an error.
+    fn last_frame<M: Decoder>(&self, id: &str, session: &Session<'_, M>, error: Option<headroom_model::Error>, out_of_memory: bool) -> FromWorker {
+        if out_of_memory {
+            return FromWorker::Failed {
+                request_id: Some(id.to_string()),
+                kind: FailureKind::Oom,
+                message: format!("simulated out-of-memory after {} tokens", self.produced),
+                replayable: true,
+                checkpoint: Some(session.checkpoint()),
+            };
+        }
+        if let Some(e) = error {
+            return failure(Some(id), FailureKind::Internal, e.to_string());
+        }
+        let finish_reason = session.finished().unwrap_or(headroom_model::FinishReason::Length);
+        if finish_reason == headroom_model::FinishReason::Cancelled {
+            return FromWorker::Failed {
+                request_id: Some(id.to_string()),
+                kind: FailureKind::Cancelled,
+                message: "cancelled by the router".into(),
+                replayable: false,
+                checkpoint: Some(session.checkpoint()),
+            };
+        }
+        FromWorker::Done {
+            request_id: id.to_string(),
+            finish_reason,
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: session.generated().len() as u32,
+            prefill_ms: session.prefill_ms,
+            decode_ms: self.decode_started.map_or(0.0, |t| t.elapsed().as_secs_f64() * 1000.0),
+            checkpoint: session.checkpoint(),
+        }
     }
 }
 

@@ -1,0 +1,192 @@
+//! A worker runs its requests together: four requests sent at once to a sim worker all run in
+//! its batch (their tokens interleave), and each streams exactly the tokens it produces alone;
+//! a request cancelled or failed by an injected out-of-memory mid-batch ends as it would alone
+//! (cancelled; out-of-memory with a checkpoint that resumes to the lone run's tokens) while the
+//! others go on untouched.
+
+use std::collections::HashMap;
+use std::io::{PipeReader, PipeWriter};
+use std::path::{Path, PathBuf};
+
+use headroom_model::{generate, CancelToken, GenerateRequest, ModelBundle, SamplingParams};
+use headroom_worker::protocol::{read_frame, write_frame};
+use headroom_worker::{Device, FailureKind, Fault, FromWorker, GenerateJob, ToWorker, WorkerOptions};
+
+/// The default model (SmolLM2-135M Q4_1) where it is installed, whose greedy tokens part ways
+/// at the smallest change of arithmetic; the demo model otherwise.
+fn model_path() -> PathBuf {
+    let models = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models");
+    let default = models.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    if default.exists() { default } else { models.join("kjv-demo") }
+}
+
+struct Worker {
+    to: PipeWriter,
+    from: PipeReader,
+}
+
+impl Worker {
+    fn start(max_concurrency: u32) -> Self {
+        let (worker_in, to) = std::io::pipe().unwrap();
+        let (from, worker_out) = std::io::pipe().unwrap();
+        let mut options = WorkerOptions::new(Device::Sim);
+        options.max_concurrency = max_concurrency;
+        options.memory_sample_ms = 0;
+        std::thread::spawn(move || headroom_worker::runtime::run(options, worker_in, worker_out));
+        let mut worker = Worker { to, from };
+        assert!(matches!(worker.next(), FromWorker::Hello { .. }));
+        worker.send(ToWorker::Load { model_dir: model_path().display().to_string() });
+        match worker.next() {
+            FromWorker::Ready { max_concurrency: n, .. } => assert_eq!(n, max_concurrency),
+            other => panic!("expected Ready, got {other:?}"),
+        }
+        worker
+    }
+
+    fn send(&mut self, message: ToWorker) {
+        write_frame(&mut self.to, &message).unwrap();
+    }
+
+    fn next(&mut self) -> FromWorker {
+        read_frame(&mut self.from).unwrap()
+    }
+}
+
+fn requests(bundle: &ModelBundle) -> Vec<GenerateRequest> {
+    ["In the beginning God created", "And the LORD spake unto Moses, saying", "The capital of France is", "Let there be light"]
+        .iter()
+        .enumerate()
+        .map(|(i, text)| {
+            let prompt = bundle.encode(text, true).unwrap();
+            let mut r = GenerateRequest::new(prompt, 24 + 8 * i, SamplingParams::default());
+            r.ignore_eos = true;
+            r
+        })
+        .collect()
+}
+
+/// What each request streams: its tokens in order and how it ended.
+#[derive(Debug, Default)]
+struct Stream {
+    tokens: Vec<u32>,
+    end: Option<FromWorker>,
+}
+
+#[test]
+fn four_requests_at_once_stream_what_each_streams_alone() {
+    let bundle = ModelBundle::open(model_path()).unwrap();
+    let model = bundle.load_cpu(|_, _| {}).unwrap();
+    let requests = requests(&bundle);
+    let alone: Vec<Vec<u32>> = requests.iter().map(|r| generate(&model, &bundle, r, &CancelToken::new(), |_| {}).unwrap().tokens).collect();
+
+    let mut worker = Worker::start(4);
+    let ids: Vec<String> = (0..4).map(|i| format!("r{i}")).collect();
+    for (id, request) in ids.iter().zip(&requests) {
+        worker.send(ToWorker::Generate(GenerateJob { request_id: id.clone(), request: request.clone() }));
+    }
+    let mut streams: HashMap<String, Stream> = ids.iter().map(|id| (id.clone(), Stream::default())).collect();
+    let mut first_done_at = None;
+    let mut tokens_seen = 0usize;
+    let mut started_before_first_done = 0;
+    while streams.values().any(|s| s.end.is_none()) {
+        let frame = worker.next();
+        match &frame {
+            FromWorker::Token { request_id, token, index, .. } => {
+                let stream = streams.get_mut(request_id).unwrap();
+                assert_eq!(*index as usize, stream.tokens.len(), "{request_id}: token indexes in order");
+                if stream.tokens.is_empty() && first_done_at.is_none() {
+                    started_before_first_done += 1;
+                }
+                stream.tokens.push(*token);
+                tokens_seen += 1;
+            }
+            FromWorker::Done { request_id, .. } => {
+                first_done_at.get_or_insert(tokens_seen);
+                streams.get_mut(request_id).unwrap().end = Some(frame.clone());
+            }
+            other => panic!("unexpected frame {other:?}"),
+        }
+    }
+    assert_eq!(started_before_first_done, 4, "every request streamed before the first one ended: they ran together");
+    for (i, id) in ids.iter().enumerate() {
+        assert_eq!(streams[id].tokens, alone[i], "{id}: tokens in the batch vs alone");
+    }
+}
+
+#[test]
+fn a_cancel_and_an_out_of_memory_mid_batch_leave_the_others_untouched() {
+    let bundle = ModelBundle::open(model_path()).unwrap();
+    let model = bundle.load_cpu(|_, _| {}).unwrap();
+    let requests = requests(&bundle);
+    let alone: Vec<Vec<u32>> = requests.iter().map(|r| generate(&model, &bundle, r, &CancelToken::new(), |_| {}).unwrap().tokens).collect();
+
+    let mut worker = Worker::start(4);
+    let ids: Vec<String> = (0..4).map(|i| format!("r{i}")).collect();
+    // The first request admitted after this fault fails after 5 tokens.
+    worker.send(ToWorker::Fault { fault: Fault::OomAfterTokens { tokens: 5 } });
+    assert!(matches!(worker.next(), FromWorker::FaultSet { .. }));
+    for (id, request) in ids.iter().zip(&requests) {
+        worker.send(ToWorker::Generate(GenerateJob { request_id: id.clone(), request: request.clone() }));
+    }
+    let mut streams: HashMap<String, Stream> = ids.iter().map(|id| (id.clone(), Stream::default())).collect();
+    let mut cancelled = false;
+    while streams.values().any(|s| s.end.is_none()) {
+        let frame = worker.next();
+        match &frame {
+            FromWorker::Token { request_id, token, .. } => {
+                let stream = streams.get_mut(request_id).unwrap();
+                stream.tokens.push(*token);
+                if request_id == "r3" && stream.tokens.len() == 3 && !cancelled {
+                    cancelled = true;
+                    worker.send(ToWorker::Cancel { request_id: "r3".into() });
+                }
+            }
+            FromWorker::Done { request_id, .. } | FromWorker::Failed { request_id: Some(request_id), .. } => {
+                streams.get_mut(request_id).unwrap().end = Some(frame.clone());
+            }
+            other => panic!("unexpected frame {other:?}"),
+        }
+    }
+    // r0 was admitted first: the out-of-memory is its, with a checkpoint that resumes to the
+    // tokens it produces alone.
+    let FromWorker::Failed { kind: FailureKind::Oom, checkpoint: Some(checkpoint), replayable: true, .. } = streams["r0"].end.clone().unwrap() else {
+        panic!("r0 should fail with a replayable out-of-memory: {:?}", streams["r0"].end)
+    };
+    assert_eq!(streams["r0"].tokens, alone[0][..5], "r0 streamed 5 tokens before the fault");
+    let mut resumed = requests[0].clone();
+    resumed.resume = Some(checkpoint);
+    let rest = generate(&model, &bundle, &resumed, &CancelToken::new(), |_| {}).unwrap().tokens;
+    assert_eq!(rest, alone[0], "r0 resumed from its checkpoint ends as it would alone");
+    assert!(
+        matches!(streams["r3"].end, Some(FromWorker::Failed { kind: FailureKind::Cancelled, .. })),
+        "r3 was cancelled: {:?}",
+        streams["r3"].end
+    );
+    assert!(streams["r3"].tokens.len() < alone[3].len() && streams["r3"].tokens == alone[3][..streams["r3"].tokens.len()]);
+    for i in [1, 2] {
+        assert!(matches!(streams[&ids[i]].end, Some(FromWorker::Done { .. })), "{}: {:?}", ids[i], streams[&ids[i]].end);
+        assert_eq!(streams[&ids[i]].tokens, alone[i], "{}: tokens beside a cancel and a fault vs alone", ids[i]);
+    }
+}
+
+/// The negative control: with the decode rows of a batched step sent through the prefill tiles
+/// (another order of additions than a lone step's), a batched request's tokens part ways with
+/// its lone run. Needs the default model (the demo model is too small to notice) and a
+/// processor with tiles.
+#[test]
+fn tiles_in_batched_steps_fail_the_check() {
+    if std::env::var_os("HEADROOM_TEST_DEFECT").is_some() || !model_path().ends_with("SmolLM2-135M-Instruct.Q4_1.gguf") {
+        return;
+    }
+    if headroom_model::cpu::dot::Kernels::detect().k_tile.is_none() {
+        eprintln!("this processor's kernels have no tiles; skipped");
+        return;
+    }
+    let output = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "four_requests_at_once_stream_what_each_streams_alone", "--test-threads", "1"])
+        .env("HEADROOM_TEST_DEFECT", "batch-tiles")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(!output.status.success() && stdout.contains("tokens in the batch vs alone"), "with the defect the check still passed: {stdout}");
+}
