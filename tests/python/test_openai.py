@@ -104,7 +104,7 @@ def test_a_full_queue_is_a_503_with_retry_after(client, sim_server):
         except openai.APIStatusError as e:
             results.append(e)
 
-    threads = [threading.Thread(target=one) for _ in range(14)]
+    threads = [threading.Thread(target=one) for _ in range(30)]
     for t in threads:
         t.start()
     for t in threads:

@@ -1,6 +1,10 @@
 //! What one request will cost in device memory, predicted before it touches the device:
 //! KV cache for prompt + max_tokens, the activation workspace of one prefill chunk (calibrated by
 //! measurement), and a fragmentation margin. Weights are counted once per loaded model.
+//!
+//! A worker runs its requests in one batch (`headroom_model::batch`): a step holds at most one
+//! prefill chunk and one decode row per sequence, so the sum of the running requests' footprints
+//! (each with its own chunk's workspace) bounds the batch's workspace.
 
 use headroom_model::{GenerateRequest, KvPrecision, LlamaConfig};
 use serde::{Deserialize, Serialize};

@@ -104,7 +104,10 @@ impl WorkerOptions {
     pub fn new(device: Device) -> Self {
         Self {
             device,
-            max_concurrency: if device.is_gpu() { 4 } else { 1 },
+            // The CPU worker batches its requests too (`headroom model bench --concurrency`:
+            // four sequences decode ~1.3–1.5× one sequence's tokens/s on 2 cores, all of them
+            // streaming), so a full GPU lane that fails over keeps streaming instead of queueing.
+            max_concurrency: 4,
             // The CPU path is slow at long contexts and must not eat host RAM: cap it below
             // what large models allow on a GPU.
             max_context_tokens: if device.is_gpu() { None } else { Some(8192) },
