@@ -12,7 +12,7 @@ use clap::Parser;
 use headroom_model::fixture::{config_100m, write_random_folder};
 use headroom_model::sampler::argmax;
 use headroom_model::{
-    generate, CancelToken, CpuBackend, GenerateRequest, ModelBundle, SamplingParams, StoreDtype,
+    generate, CancelToken, GenerateRequest, ModelBundle, SamplingParams, StoreDtype,
 };
 
 #[derive(Parser)]
@@ -37,6 +37,10 @@ struct Args {
     /// report its speed against the CPU engine's and whether its greedy tokens match.
     #[arg(long)]
     cuda: bool,
+    /// Sequences decoded together through a worker's batch (comma-separated): the aggregate
+    /// decode tokens/s of each count, for Headroom's CPU engine and (with --cuda) on CUDA.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    concurrency: Vec<usize>,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -44,6 +48,8 @@ struct EngineRun {
     prefill_tok_s: f64,
     decode_tok_s: f64,
     tokens: Vec<u32>,
+    /// (sequences, aggregate decode tokens/s) through a worker's batch.
+    concurrent: Vec<(usize, f64)>,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -67,6 +73,7 @@ fn run_headroom<M: headroom_model::Decoder>(
     prompt: &[u32],
     decode: usize,
     runs: usize,
+    concurrency: &[usize],
 ) -> Result<EngineRun> {
     let mut request = GenerateRequest::new(prompt.to_vec(), decode, SamplingParams::default());
     request.prefill_chunk = prompt.len();
@@ -85,11 +92,40 @@ fn run_headroom<M: headroom_model::Decoder>(
         }
         tokens = g.tokens;
     }
+    let mut concurrent = Vec::new();
+    for &n in concurrency {
+        let mut rates = Vec::new();
+        for i in 0..=runs {
+            let rate = headroom_model::batch::decode_throughput(model, &bundle, &request, n)?;
+            if i > 0 {
+                rates.push(rate);
+            }
+        }
+        concurrent.push((n, median(rates)));
+    }
     Ok(EngineRun {
         prefill_tok_s: median(prefill),
         decode_tok_s: median(decode_rates),
         tokens,
+        concurrent,
     })
+}
+
+/// One line per engine: aggregate decode tokens/s at each sequence count, and its ratio to one.
+fn print_concurrent(label: &str, run: &EngineRun) {
+    if run.concurrent.is_empty() {
+        return;
+    }
+    let one = run.concurrent.iter().find(|(n, _)| *n == 1).map(|(_, r)| *r);
+    let cells: Vec<String> = run
+        .concurrent
+        .iter()
+        .map(|(n, r)| match one {
+            Some(one) => format!("{n}: {r:.1} tok/s ({:.2}×)", r / one),
+            None => format!("{n}: {r:.1} tok/s"),
+        })
+        .collect();
+    println!("  {label} decode, sequences together: {}", cells.join(", "));
 }
 
 /// How many greedy tokens two runs share before they first differ.
@@ -98,16 +134,16 @@ fn agreeing(a: &[u32], b: &[u32]) -> usize {
 }
 
 #[cfg(feature = "cuda")]
-fn run_cuda(bundle: &ModelBundle, prompt: &[u32], decode: usize, runs: usize) -> Result<EngineRun> {
+fn run_cuda(bundle: &ModelBundle, prompt: &[u32], decode: usize, runs: usize, concurrency: &[usize]) -> Result<EngineRun> {
     if let headroom_model::device::CudaProbe::Unavailable { reason } = headroom_model::device::probe_cuda() {
         anyhow::bail!("--cuda: {reason}");
     }
     let model = bundle.load::<burn_cuda::Cuda<f32>>(&burn_cuda::CudaDevice::new(0), |_, _| {})?;
-    run_headroom(&model, bundle, prompt, decode, runs)
+    run_headroom(&model, bundle, prompt, decode, runs, concurrency)
 }
 
 #[cfg(not(feature = "cuda"))]
-fn run_cuda(_: &ModelBundle, _: &[u32], _: usize, _: usize) -> Result<EngineRun> {
+fn run_cuda(_: &ModelBundle, _: &[u32], _: usize, _: usize, _: &[usize]) -> Result<EngineRun> {
     anyhow::bail!("--cuda: this headroom-bench was built without the `cuda` feature; build with `--features cuda`")
 }
 
@@ -149,6 +185,7 @@ fn run_candle(dir: &Path, prompt: &[u32], decode: usize, runs: usize) -> Result<
         prefill_tok_s: median(prefill),
         decode_tok_s: median(decode_rates),
         tokens,
+        concurrent: Vec::new(),
     })
 }
 
@@ -184,7 +221,7 @@ fn main() -> Result<()> {
     for (name, dir) in &folders {
         let bundle = ModelBundle::open(dir).with_context(|| format!("opening {}", dir.display()))?;
         let prompt = prompt_for(&bundle, args.prompt_tokens)?;
-        let ours = run_headroom(&bundle.load_cpu(|_, _| {})?, &bundle, &prompt, args.decode_tokens, args.runs)?;
+        let ours = run_headroom(&bundle.load_cpu(|_, _| {})?, &bundle, &prompt, args.decode_tokens, args.runs, &args.concurrency)?;
         let theirs = run_candle(dir, &prompt, args.decode_tokens, args.runs)?;
         let agree = agreeing(&ours.tokens, &theirs.tokens);
         println!(
@@ -200,6 +237,7 @@ fn main() -> Result<()> {
             agree,
             args.decode_tokens
         );
+        print_concurrent("headroom cpu", &ours);
         report.push(serde_json::json!({
             "model": name,
             "parameters": bundle.config.parameter_count(),
@@ -211,7 +249,7 @@ fn main() -> Result<()> {
             "blas": cfg!(feature = "blas"),
         }));
         if args.cuda {
-            let gpu = run_cuda(&bundle, &prompt, args.decode_tokens, args.runs)?;
+            let gpu = run_cuda(&bundle, &prompt, args.decode_tokens, args.runs, &args.concurrency)?;
             let agree_cpu = agreeing(&gpu.tokens, &ours.tokens);
             println!(
                 "{:<26} {:>10} {:>14.1} {:>14} {:>14.1} {:>14} {:>9.2} {:>9.2} {:>5}/{}  (headroom on cuda:0; ratios and agreement against headroom on cpu)",
@@ -226,6 +264,7 @@ fn main() -> Result<()> {
                 agree_cpu,
                 args.decode_tokens
             );
+            print_concurrent("headroom cuda:0", &gpu);
             report.push(serde_json::json!({
                 "model": name,
                 "headroom_cuda": gpu,

@@ -451,18 +451,49 @@ impl KvBuffer {
 
     /// `out += Σ_j weights[j] · row (first + j)`, rows of `d` values.
     fn add_weighted_rows(&self, first: usize, d: usize, weights: &[f32], out: &mut [f32]) {
-        let mut scratch = Vec::new();
-        for (j, &p) in weights.iter().enumerate() {
-            let at = (first + j) * d;
-            let row = match self {
-                KvBuffer::F32(b) => &b[at..at + d],
-                KvBuffer::F16(b) => {
-                    use half::slice::HalfFloatSliceExt;
-                    scratch.resize(d, 0.0);
-                    b[at..at + d].convert_to_f32_slice(&mut scratch);
-                    &scratch[..]
+        #[cfg(target_arch = "x86_64")]
+        if Kernels::detect().name != "scalar" && std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the processor has AVX2.
+            return unsafe { self.add_weighted_rows_avx2(first, d, weights, out) };
+        }
+        self.add_weighted_rows_body(first, d, weights, out)
+    }
+
+    /// The same loop compiled for AVX2: 8 lanes instead of SSE's 4, the same multiplies and adds
+    /// per value (no FMA), so the same result bit for bit.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn add_weighted_rows_avx2(&self, first: usize, d: usize, weights: &[f32], out: &mut [f32]) {
+        self.add_weighted_rows_body(first, d, weights, out)
+    }
+
+    #[inline(always)]
+    fn add_weighted_rows_body(&self, first: usize, d: usize, weights: &[f32], out: &mut [f32]) {
+        let rows = match self {
+            KvBuffer::F32(b) => &b[first * d..(first + weights.len()) * d],
+            KvBuffer::F16(b) => {
+                use half::slice::HalfFloatSliceExt;
+                let mut row = vec![0f32; d];
+                for (j, &p) in weights.iter().enumerate() {
+                    b[(first + j) * d..(first + j + 1) * d].convert_to_f32_slice(&mut row);
+                    out.iter_mut().zip(&row).for_each(|(o, v)| *o += p * v);
                 }
-            };
+                return;
+            }
+        };
+        // Four rows per pass over `out`: one load and store of it per four rows instead of per
+        // row (attention's value sums were a tenth of a batched decode step).
+        let mut quads = rows.chunks_exact(4 * d);
+        for (quad, p) in quads.by_ref().zip(weights.chunks_exact(4)) {
+            let (r0, rest) = quad.split_at(d);
+            let (r1, rest) = rest.split_at(d);
+            let (r2, r3) = rest.split_at(d);
+            for ((((o, a), b), c), e) in out.iter_mut().zip(r0).zip(r1).zip(r2).zip(r3) {
+                *o += (p[0] * a + p[1] * b) + (p[2] * c + p[3] * e);
+            }
+        }
+        let done = weights.len() / 4 * 4;
+        for (row, &p) in quads.remainder().chunks_exact(d).zip(&weights[done..]) {
             out.iter_mut().zip(row).for_each(|(o, v)| *o += p * v);
         }
     }
