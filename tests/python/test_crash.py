@@ -22,6 +22,10 @@ def wait_for(predicate, timeout=60, what="condition"):
 
 def test_kill_9_then_restart_recovers_every_accepted_request():
     server = Server("--gpu", "none").start()
+    # One CPU slot (the default runs 4 together), so the second request waits in the queue; the
+    # setting is saved in the data directory, so the restarted service has it too.
+    httpx.patch(server.url + "/v1/settings", json={"cpu_max_concurrency": 1}, timeout=120).raise_for_status()
+    wait_for(lambda: len([w for w in server.status()["workers"] if w["pid"]]) == 1, what="the old CPU worker to exit")
     worker_pids = [w["pid"] for w in server.status()["workers"] if w["pid"]]
     key = str(uuid.uuid4())
 
