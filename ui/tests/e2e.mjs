@@ -103,7 +103,14 @@ try {
   });
 
   await check("a queued request is cancelled from the UI; the one ahead of it finishes", async () => {
-    // The CPU worker runs one request at a time: a long one from another client takes it.
+    // One CPU slot (the CPU worker runs 4 together by default): a long request from another
+    // client takes it.
+    const patched = await fetch(`${server.url}/v1/settings`, {
+      method: "PATCH",
+      headers: { "content-type": "application/json" },
+      body: JSON.stringify({ cpu_max_concurrency: 1 }),
+    });
+    assert.equal(patched.status, 200, await patched.text());
     const ahead = fetch(`${server.url}/v1/completions`, {
       method: "POST",
       headers: { "content-type": "application/json" },
