@@ -52,11 +52,6 @@ impl<'m, M: Decoder, K> Batch<'m, M, K> {
         self.entries.is_empty()
     }
 
-    /// Sessions whose prompt is still being fed.
-    pub fn prefilling(&self) -> usize {
-        self.entries.iter().filter(|e| matches!(e.session.work(), Work::Prefill(_))).count()
-    }
-
     /// One step (see the module's description); returns the sessions that left the batch.
     /// `on_token(key, session, token, text)` hears each token sampled with the text it made
     /// final; its answer decides whether the session goes on (`true`) or leaves the batch now

@@ -47,6 +47,15 @@ impl Worker {
         write_frame(&mut self.to, &message).unwrap();
     }
 
+    /// Sends every request at once, as `r0`, `r1`, …; returns their ids.
+    fn submit(&mut self, requests: &[GenerateRequest]) -> Vec<String> {
+        let ids: Vec<String> = (0..requests.len()).map(|i| format!("r{i}")).collect();
+        for (id, request) in ids.iter().zip(requests) {
+            self.send(ToWorker::Generate(GenerateJob { request_id: id.clone(), request: request.clone() }));
+        }
+        ids
+    }
+
     fn next(&mut self) -> FromWorker {
         read_frame(&mut self.from).unwrap()
     }
@@ -65,6 +74,15 @@ fn requests(bundle: &ModelBundle) -> Vec<GenerateRequest> {
         .collect()
 }
 
+/// The model, the test's requests, and each request's tokens run alone.
+fn lone_runs() -> (ModelBundle, headroom_model::CpuModel, Vec<GenerateRequest>, Vec<Vec<u32>>) {
+    let bundle = ModelBundle::open(model_path()).unwrap();
+    let model = bundle.load_cpu(|_, _| {}).unwrap();
+    let requests = requests(&bundle);
+    let alone = requests.iter().map(|r| generate(&model, &bundle, r, &CancelToken::new(), |_| {}).unwrap().tokens).collect();
+    (bundle, model, requests, alone)
+}
+
 /// What each request streams: its tokens in order and how it ended.
 #[derive(Debug, Default)]
 struct Stream {
@@ -74,19 +92,11 @@ struct Stream {
 
 #[test]
 fn four_requests_at_once_stream_what_each_streams_alone() {
-    let bundle = ModelBundle::open(model_path()).unwrap();
-    let model = bundle.load_cpu(|_, _| {}).unwrap();
-    let requests = requests(&bundle);
-    let alone: Vec<Vec<u32>> = requests.iter().map(|r| generate(&model, &bundle, r, &CancelToken::new(), |_| {}).unwrap().tokens).collect();
-
+    let (_, _, requests, alone) = lone_runs();
     let mut worker = Worker::start(4);
-    let ids: Vec<String> = (0..4).map(|i| format!("r{i}")).collect();
-    for (id, request) in ids.iter().zip(&requests) {
-        worker.send(ToWorker::Generate(GenerateJob { request_id: id.clone(), request: request.clone() }));
-    }
+    let ids = worker.submit(&requests);
     let mut streams: HashMap<String, Stream> = ids.iter().map(|id| (id.clone(), Stream::default())).collect();
-    let mut first_done_at = None;
-    let mut tokens_seen = 0usize;
+    let mut any_done = false;
     let mut started_before_first_done = 0;
     while streams.values().any(|s| s.end.is_none()) {
         let frame = worker.next();
@@ -94,14 +104,13 @@ fn four_requests_at_once_stream_what_each_streams_alone() {
             FromWorker::Token { request_id, token, index, .. } => {
                 let stream = streams.get_mut(request_id).unwrap();
                 assert_eq!(*index as usize, stream.tokens.len(), "{request_id}: token indexes in order");
-                if stream.tokens.is_empty() && first_done_at.is_none() {
+                if stream.tokens.is_empty() && !any_done {
                     started_before_first_done += 1;
                 }
                 stream.tokens.push(*token);
-                tokens_seen += 1;
             }
             FromWorker::Done { request_id, .. } => {
-                first_done_at.get_or_insert(tokens_seen);
+                any_done = true;
                 streams.get_mut(request_id).unwrap().end = Some(frame.clone());
             }
             other => panic!("unexpected frame {other:?}"),
@@ -115,19 +124,12 @@ fn four_requests_at_once_stream_what_each_streams_alone() {
 
 #[test]
 fn a_cancel_and_an_out_of_memory_mid_batch_leave_the_others_untouched() {
-    let bundle = ModelBundle::open(model_path()).unwrap();
-    let model = bundle.load_cpu(|_, _| {}).unwrap();
-    let requests = requests(&bundle);
-    let alone: Vec<Vec<u32>> = requests.iter().map(|r| generate(&model, &bundle, r, &CancelToken::new(), |_| {}).unwrap().tokens).collect();
-
+    let (bundle, model, requests, alone) = lone_runs();
     let mut worker = Worker::start(4);
-    let ids: Vec<String> = (0..4).map(|i| format!("r{i}")).collect();
     // The first request admitted after this fault fails after 5 tokens.
     worker.send(ToWorker::Fault { fault: Fault::OomAfterTokens { tokens: 5 } });
     assert!(matches!(worker.next(), FromWorker::FaultSet { .. }));
-    for (id, request) in ids.iter().zip(&requests) {
-        worker.send(ToWorker::Generate(GenerateJob { request_id: id.clone(), request: request.clone() }));
-    }
+    let ids = worker.submit(&requests);
     let mut streams: HashMap<String, Stream> = ids.iter().map(|id| (id.clone(), Stream::default())).collect();
     let mut cancelled = false;
     while streams.values().any(|s| s.end.is_none()) {
