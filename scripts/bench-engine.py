@@ -2,15 +2,19 @@
 """Headroom's CPU engine against llama.cpp (llama-cpp-python) on the same GGUF files, same
 threads, same prompt length and decode steps, side by side in one run.
 
-    .venv/bin/python scripts/bench-engine.py [--threads N] [--runs 3] [--no-1b] [--unquantized] [FILE ...]
+    .venv/bin/python scripts/bench-engine.py [--threads N] [--runs 3] [--no-1b] [--unquantized]
+        [--concurrency 1,2,4,8] [FILE ...]
 
 Without FILE: the default model (SmolLM2-135M-Instruct Q4_1) and a random-weight ~1B Llama in
 Q4_K_M and Q8_0, written with `gguf` and quantized with llama.cpp's quantizer, cached in
 ~/.cache/headroom/bench (outside the repository). Headroom's side is `headroom model bench`, which
 also measures this machine's read bandwidth; decode is reported as a share of the bound
 (weight bytes per token ÷ bandwidth), and the resident memory the model added against what
-admission predicts for it (weights + KV cache + workspace). Prints one table and writes the figures as JSON
-(target/bench-engine.json).
+admission predicts for it (weights + KV cache + workspace). With --concurrency, also the aggregate
+decode tokens/s of N sequences decoded together: Headroom's batch (`--concurrency` of `headroom
+model bench`) against llama.cpp's own batched decode (one `llama_decode` of N tokens, one per
+sequence, each sequence with its own KV cells), both timed from every sequence's first token
+on. Prints one table and writes the figures as JSON (target/bench-engine.json).
 """
 
 import argparse
@@ -80,10 +84,57 @@ def run_llama_cpp(path, threads, prompt_tokens, decode_tokens, runs):
     return {"prefill_tok_s": float(np.median(prefill)), "decode_tok_s": float(np.median(decode))}
 
 
-def run_headroom(path, threads, prompt_tokens, decode_tokens, runs):
+def run_llama_cpp_concurrent(path, threads, prompt_tokens, decode_tokens, runs, counts):
+    """Aggregate decode tok/s of `n` greedy sequences per step, for each `n` in `counts`: each
+    prefills the prompt (rotated by its index, as Headroom's bench does), then every step decodes
+    one token of every sequence in one batch."""
+    import llama_cpp
+
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
+    vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    prompt = prompt_ids(vocab, prompt_tokens)
+    out = {}
+    for n in counts:
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = n * (prompt_tokens + decode_tokens + 16)
+        params.n_batch = params.n_ubatch = max(prompt_tokens, n)
+        params.n_seq_max = n
+        params.n_threads = params.n_threads_batch = threads
+        ctx = llama_cpp.llama_init_from_model(model, params)
+        batch = llama_cpp.llama_batch_init(max(prompt_tokens, n), 0, n)
+
+        def decode(entries):
+            """entries: (token, position, sequence); logits for every entry."""
+            batch.n_tokens = len(entries)
+            for i, (token, pos, seq) in enumerate(entries):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, True
+                batch.seq_id[i][0] = seq
+            assert llama_cpp.llama_decode(ctx, batch) == 0
+            return [int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(vocab,)))) for i in range(len(entries))]
+
+        rates = []
+        for run in range(runs + 1):
+            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
+            nexts = []
+            for s in range(n):
+                rotated = prompt[s % len(prompt):] + prompt[:s % len(prompt)]
+                nexts.append(decode([(t, p, s) for p, t in enumerate(rotated)])[-1])
+            started = time.perf_counter()
+            for step in range(decode_tokens - 1):
+                nexts = decode([(nexts[s], prompt_tokens + step, s) for s in range(n)])
+            if run > 0:  # the first run warms up
+                rates.append(n * (decode_tokens - 1) / (time.perf_counter() - started))
+        out[n] = float(np.median(rates))
+        llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_free(ctx)
+    llama_cpp.llama_model_free(model)
+    return out
+
+
+def run_headroom(path, threads, prompt_tokens, decode_tokens, runs, counts=None):
     out = subprocess.run(
         [str(headroom_binary()), "model", "bench", str(path), "--threads", str(threads), "--prompt-tokens", str(prompt_tokens),
-         "--decode-tokens", str(decode_tokens), "--runs", str(runs)],
+         "--decode-tokens", str(decode_tokens), "--runs", str(runs)] + (["--concurrency", ",".join(map(str, counts))] if counts else []),
         capture_output=True, text=True, check=False,
     )
     if out.returncode != 0:
@@ -195,6 +246,8 @@ def main():
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--no-1b", action="store_true", help="skip the random ~1B models")
     parser.add_argument("--unquantized", action="store_true", help="also the default model expanded to F32, F16 and BF16")
+    parser.add_argument("--concurrency", type=lambda s: [int(n) for n in s.split(",")], default=None,
+                        help="also aggregate decode tok/s at these numbers of sequences decoded together, e.g. 1,2,4,8")
     parser.add_argument("--out", type=Path, default=ROOT / "target" / "bench-engine.json")
     args = parser.parse_args()
     files = args.files or [DEFAULT_MODEL] + ([] if args.no_1b else random_1b_files())
@@ -208,8 +261,10 @@ def main():
     print(f"llama.cpp {llama_cpp.__version__} from {Path(llama_cpp.__file__).parent.parent}: {' '.join(llama_features)}", flush=True)
     rows = []
     for path in files:
-        ours = run_headroom(path, args.threads, args.prompt_tokens, args.decode_tokens, args.runs)
+        ours = run_headroom(path, args.threads, args.prompt_tokens, args.decode_tokens, args.runs, args.concurrency)
         theirs = run_llama_cpp(path, args.threads, args.prompt_tokens, args.decode_tokens, args.runs)
+        if args.concurrency:
+            theirs["concurrent"] = run_llama_cpp_concurrent(path, args.threads, args.prompt_tokens, args.decode_tokens, args.runs, args.concurrency)
         row = {
             "file": path.name,
             "threads": args.threads,
@@ -231,6 +286,11 @@ def main():
             f"({percent(ours.get('resident_error_percent'))})",
             flush=True,
         )
+        for c in ours.get("concurrent", []):
+            n, mine, theirs_n = c["sequences"], c["decode_tok_s"], theirs["concurrent"][c["sequences"]]
+            print(f"  {n} sequences together: decode {mine:7.1f} vs {theirs_n:7.1f} tok/s ({mine / theirs_n:.2f}×); "
+                  f"× one sequence: headroom {mine / ours['concurrent'][0]['decode_tok_s']:.2f}, "
+                  f"llama.cpp {theirs_n / theirs['concurrent'][args.concurrency[0]]:.2f}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=2))
 

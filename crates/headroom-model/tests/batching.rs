@@ -82,8 +82,9 @@ fn batched_decode_steps_equal_lone_steps_exactly() {
     }
 }
 
-/// Runs `test` of this binary with decode rows sent through the prefill tiles (which add in
-/// another order than the row kernels) and asserts that it fails saying `says`.
+/// Runs `test` of this binary with a batch's decode rows summed in another order than a lone
+/// step's (the K-quants and floats through the prefill tiles instead of the row kernels; repacked
+/// Q4_0, Q4_1 and Q8_0 blocks added last to first) and asserts that it fails saying `says`.
 fn fails_with_tiles_in_batches(test: &str, says: &str) {
     let output = std::process::Command::new(std::env::current_exe().unwrap())
         .args(["--exact", test, "--test-threads", "1"])
@@ -95,22 +96,24 @@ fn fails_with_tiles_in_batches(test: &str, says: &str) {
 }
 
 /// Whether a negative control can run here: not inside another control, and on a processor
-/// whose kernels have tiles (without them the defect changes nothing).
-fn controls_apply() -> bool {
+/// where the defect changes the sums of the types a test runs (`q32`: Q4_0, Q4_1 and Q8_0 only;
+/// otherwise the K-quants too): through tiles or repacked weights.
+fn controls_apply(q32: bool) -> bool {
     if std::env::var_os("HEADROOM_TEST_DEFECT").is_some() {
         return false;
     }
-    let tiles = headroom_model::cpu::dot::Kernels::detect().k_tile.is_some();
-    if !tiles {
-        eprintln!("this processor's kernels have no tiles; the control is skipped");
+    let k = headroom_model::cpu::dot::Kernels::detect();
+    let applies = k.interleaved32.is_some() || k.tile32.is_some() || (!q32 && k.k_tile.is_some());
+    if !applies {
+        eprintln!("this processor's kernels sum a batch's steps as they sum lone steps; the control is skipped");
     }
-    tiles
+    applies
 }
 
 /// The negative control of the exact check.
 #[test]
 fn batched_decode_through_tiles_fails_the_exact_check() {
-    if controls_apply() {
+    if controls_apply(false) {
         fails_with_tiles_in_batches("batched_decode_steps_equal_lone_steps_exactly", "batched logits differ");
     }
 }
@@ -182,7 +185,7 @@ fn default_model() -> Option<ModelBundle> {
 /// Its negative control: with tiles in batched steps the default model's tokens part ways.
 #[test]
 fn the_default_model_check_fails_with_tiles_in_batches() {
-    if controls_apply() && default_model().is_some() {
+    if controls_apply(true) && default_model().is_some() {
         fails_with_tiles_in_batches("the_default_model_gives_the_same_tokens_alone_and_in_a_batch_of_four", "tokens alone vs in a batch");
     }
 }

@@ -41,6 +41,7 @@ pub const KERNELS: Kernels = Kernels {
     k_tile: avx2::KERNELS.k_tile,
     tile32: Some(super::tile::vnni::kernel32),
     float_tile: Some((super::tile::avx2_float::unpack, super::tile::avx512_float::kernel)),
+    interleaved32: Some(super::interleave::vnni::kernel),
 };
 
 /// Whether this processor runs [`KERNELS`].

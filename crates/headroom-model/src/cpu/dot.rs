@@ -79,16 +79,87 @@ pub fn quantize_q8x256(x: &[f32], out: &mut [Q8x256]) {
 /// vectorize.
 #[cfg(target_arch = "x86_64")]
 mod avx2_quantize {
+    #![allow(unsafe_op_in_unsafe_fn)]
+    use std::arch::x86_64::*;
+
     use super::*;
 
+    /// The largest magnitude of `n` (a multiple of 8) values at `p`.
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn q8x32(x: &[f32], out: &mut [Q8x32]) {
-        quantize_q8x32_body(x, out)
+    unsafe fn amax(p: *const f32, n: usize) -> f32 {
+        let sign = _mm256_set1_ps(-0.0);
+        let mut m = _mm256_setzero_ps();
+        for k in (0..n).step_by(8) {
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(p.add(k))));
+        }
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)))
     }
 
+    /// 32 values at `p` times `inv`, rounded to nearest even, as i32 in four vectors (the
+    /// scalar form's `round_i8`: `|v · inv|` ≤ 127 needs no clamp).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn quants(p: *const f32, inv: f32) -> [__m256i; 4] {
+        let inv = _mm256_set1_ps(inv);
+        std::array::from_fn(|k| {
+            let v = _mm256_mul_ps(_mm256_loadu_ps(p.add(8 * k)), inv);
+            _mm256_cvtps_epi32(_mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v))
+        })
+    }
+
+    /// The 32 quants packed to bytes in order, at `out`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn store(q: [__m256i; 4], out: *mut i8) {
+        // The packs interleave 128-bit lanes; one permute puts the 32-bit groups back in order.
+        let bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(out as *mut __m256i, bytes);
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn hsum(v: __m256i) -> i32 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+        _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<1>(s)))
+    }
+
+    /// [`quantize_q8x32_body`], eight values per instruction.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn q8x32(x: &[f32], out: &mut [Q8x32]) {
+        assert_eq!(x.len(), out.len() * 32);
+        for (block, q) in x.chunks_exact(32).zip(out.iter_mut()) {
+            let amax = amax(block.as_ptr(), 32);
+            let d = amax / 127.0;
+            let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+            let v = quants(block.as_ptr(), inv);
+            store(v, q.qs.as_mut_ptr());
+            let sum = hsum(_mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3])));
+            q.d = f16::from_f32(d).to_f32();
+            q.s = f16::from_f32(d * sum as f32).to_f32();
+            q.sum = sum;
+        }
+    }
+
+    /// [`quantize_q8x256_body`], eight values per instruction.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn q8x256(x: &[f32], out: &mut [Q8x256]) {
-        quantize_q8x256_body(x, out)
+        assert_eq!(x.len(), out.len() * 256);
+        for (block, q) in x.chunks_exact(256).zip(out.iter_mut()) {
+            let amax = amax(block.as_ptr(), 256);
+            let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+            for k in 0..8 {
+                let v = quants(block.as_ptr().add(32 * k), inv);
+                store(v, q.qs.as_mut_ptr().add(32 * k));
+                q.bsums[2 * k] = hsum(_mm256_add_epi32(v[0], v[1])) as i16;
+                q.bsums[2 * k + 1] = hsum(_mm256_add_epi32(v[2], v[3])) as i16;
+            }
+            q.d = amax / 127.0;
+        }
     }
 }
 
@@ -292,6 +363,10 @@ pub struct Kernels {
     pub tile32: Option<super::tile::Tile32Kernel>,
     /// The same for F32, F16 and BF16 rows: their widening into columns, and the kernel.
     pub float_tile: Option<(super::tile::FloatUnpack, super::tile::FloatTileKernel)>,
+    /// The products of Q4_0, Q4_1 and Q8_0 weights repacked into groups of 8 rows
+    /// ([`super::interleave`]), for every token count, where there is one: matrices of those
+    /// types are then repacked at load.
+    pub interleaved32: Option<super::interleave::InterleavedKernel>,
 }
 
 /// A scalar row kernel applied to each of the rows.
@@ -349,6 +424,7 @@ impl Kernels {
         k_tile: None,
         tile32: None,
         float_tile: None,
+        interleaved32: None,
     };
 
     /// The one-token and two-token kernels of unquantized rows (F32, F16, BF16).
@@ -480,7 +556,7 @@ mod tests {
         let (mut a, mut b) = (vec![Q8x32::default(); 32], vec![Q8x32::default(); 32]);
         quantize_q8x32(&x, &mut a);
         quantize_q8x32_body(&x, &mut b);
-        assert!(a.iter().zip(&b).all(|(a, b)| a.qs == b.qs && a.d.to_bits() == b.d.to_bits() && a.s.to_bits() == b.s.to_bits()));
+        assert!(a.iter().zip(&b).all(|(a, b)| a.qs == b.qs && a.sum == b.sum && a.d.to_bits() == b.d.to_bits() && a.s.to_bits() == b.s.to_bits()));
         let (mut a, mut b) = (vec![Q8x256::default(); 4], vec![Q8x256::default(); 4]);
         quantize_q8x256(&x, &mut a);
         quantize_q8x256_body(&x, &mut b);

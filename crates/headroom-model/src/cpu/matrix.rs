@@ -5,6 +5,7 @@ use std::ops::Deref;
 use std::sync::{Arc, OnceLock};
 
 use super::dot::{activation_kind, quantize_q8x256, quantize_q8x32, ActivationKind, Kernels, Q8x256, Q8x32};
+use super::interleave::{self, InterleavedKernel};
 use super::team::Team;
 use super::tile::{combine, combine32, unpack, unpack32, Combine, Combine32, FColumn16, FloatTileKernel, FloatUnpack, KBlock8, QBlock8, Tile32Kernel, TileKernel, FLOAT_ROWS, ROWS, TOKENS};
 use crate::quants::GgmlType;
@@ -27,13 +28,17 @@ impl Deref for Bytes {
 }
 
 /// `rows × cols` weights, row-major, each row a whole number of `ty` blocks: the layout GGUF
-/// stores (`[out, in]`), so a product reads every row once, front to back.
+/// stores (`[out, in]`), so a product reads every row once, front to back; or, for Q4_0, Q4_1
+/// and Q8_0 where this processor has the kernel and the rows are whole groups of 8, the same
+/// bytes repacked into those groups ([`super::interleave`]).
 pub struct PackedMatrix {
     pub ty: GgmlType,
     pub rows: usize,
     pub cols: usize,
     row_bytes: usize,
     data: Bytes,
+    /// The kernel of repacked weights (`data` then holds records of 8 rows, not rows).
+    interleaved: Option<InterleavedKernel>,
 }
 
 impl std::fmt::Debug for PackedMatrix {
@@ -55,7 +60,22 @@ impl PackedMatrix {
         if data.len() != rows * row_bytes {
             return Err(format!("{rows}×{cols} {ty} weights need {} bytes, found {}", rows * row_bytes, data.len()));
         }
-        Ok(Self { ty, rows, cols, row_bytes, data })
+        let interleaved = Kernels::detect().interleaved32.filter(|_| interleave::record_bytes(ty).is_some() && rows % ROWS == 0);
+        let data = match interleaved {
+            Some(_) => {
+                // A few groups at a time, each range of the file released once copied: the copy
+                // never holds the whole matrix twice (resident memory peaks at the model's size).
+                let mut records = vec![0u8; data.len()];
+                let chunk = (1 << 20) / (ROWS * row_bytes).max(1) * ROWS * row_bytes + ROWS * row_bytes;
+                for (at, out) in (0..data.len()).step_by(chunk).zip(records.chunks_mut(chunk)) {
+                    interleave::interleave(ty, &data[at..at + out.len()], row_bytes, out);
+                    release(&data, at, out.len());
+                }
+                Bytes::Owned(records)
+            }
+            None => data,
+        };
+        Ok(Self { ty, rows, cols, row_bytes, data, interleaved })
     }
 
     /// f32 weights `[rows, cols]` held in memory of our own.
@@ -70,13 +90,22 @@ impl PackedMatrix {
         Self::new(GgmlType::Q8_0, rows, cols, Bytes::Owned(crate::quants::quantize_q8_0(values))).expect("whole Q8_0 blocks")
     }
 
-    pub fn row(&self, r: usize) -> &[u8] {
-        &self.data[r * self.row_bytes..(r + 1) * self.row_bytes]
+    /// Row `r`'s blocks as the file stores them.
+    pub fn row(&self, r: usize) -> std::borrow::Cow<'_, [u8]> {
+        match self.interleaved {
+            Some(_) => interleave::row(self.ty, &self.data, self.row_bytes, r).into(),
+            None => self.data[r * self.row_bytes..(r + 1) * self.row_bytes].into(),
+        }
     }
 
     /// Row `r` as f32 (an embedding lookup).
     pub fn dequantize_row(&self, r: usize) -> Vec<f32> {
-        crate::quants::dequantize(self.ty, self.row(r), self.cols).expect("row sizes were checked at construction")
+        crate::quants::dequantize(self.ty, &self.row(r), self.cols).expect("row sizes were checked at construction")
+    }
+
+    /// Whether the weights are repacked into groups of 8 rows ([`super::interleave`]).
+    pub fn is_interleaved(&self) -> bool {
+        self.interleaved.is_some()
     }
 
     /// Bytes this matrix occupies (mapped or owned).
@@ -101,6 +130,20 @@ impl PackedMatrix {
             ActivationKind::Q8x32 => block_dot(rows, rb, x.q8x32(team), self.cols / 32, kernels.q8x32_kernels(self.ty)),
             ActivationKind::Q8x256 => block_dot(rows, rb, x.q8x256(team), self.cols / 256, kernels.q8x256_kernels(self.ty)),
         }
+    }
+}
+
+/// Lets the kernel forget the pages of a mapped range once its weights are repacked: they stay
+/// in the page cache, but no longer count in this process's resident memory twice. The range
+/// reaches back over what the kernel's fault-around mapped again of the ranges released before
+/// (up to 64 KiB around each fault).
+fn release(data: &Bytes, at: usize, len: usize) {
+    const FAULT_AROUND: usize = 256 << 10;
+    if let Bytes::Mapped { map, start, .. } = data {
+        let from = (start + at).saturating_sub(FAULT_AROUND);
+        // SAFETY: the mapping is read-only and file-backed; a dropped page reads back from the
+        // file unchanged if anything touches it again.
+        let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, from, start + at + len - from) };
     }
 }
 
@@ -192,8 +235,19 @@ pub fn multiply_all(products: &mut [(&PackedMatrix, &mut [f32])], x: &Activation
         assert_eq!(out.len(), tokens * m.rows);
         let mut tile = tile_rows(m.rows, tokens, m.cols, team.threads());
         assert_eq!(x.cols, m.cols, "activations have {} columns, the weights {}", x.cols, m.cols);
-        let kind = if x.separate_steps { None } else { tile_kind(kernels, m.ty, tokens) };
+        let kind = if x.separate_steps || m.interleaved.is_some() { None } else { tile_kind(kernels, m.ty, tokens) };
         let product = match kind {
+            None if m.interleaved.is_some() => {
+                let a = x.q8x32(team);
+                // The negative control of batch invariance: a batch's steps in another order.
+                let kernel = match m.interleaved {
+                    Some(_) if x.reordered => |ty, records: &[u8], a: &[&[Q8x32]], out: &mut [[f32; ROWS]; TOKENS]| interleave::scalar(ty, records, a, out, true),
+                    Some(kernel) => kernel,
+                    None => unreachable!(),
+                };
+                tile = tile.next_multiple_of(ROWS);
+                Product::Tiled(Box::new(move |out, first, last| interleaved_task(m, a, kernel, out, tokens, first, last)))
+            }
             None => Product::Rows(m.rows_dot(x, team)),
             Some(TileKind::Float(unpack, kernel)) => {
                 let a = x.values;
@@ -296,6 +350,28 @@ fn tiled_task<B: Default + Clone + 'static, A, const R: usize>(
     });
 }
 
+/// Rows `first..last` (whole groups of 8) of a product of repacked weights for every token:
+/// each group's records, in cache, serve the tokens 4 at a time.
+fn interleaved_task(m: &PackedMatrix, a: &[Q8x32], kernel: InterleavedKernel, out: SharedPtr<f32>, tokens: usize, first: usize, last: usize) {
+    let per = m.cols / 32;
+    let group_bytes = per * interleave::record_bytes(m.ty).expect("a repacked type");
+    for r in (first..last).step_by(ROWS) {
+        let n = (last - r).min(ROWS);
+        let records = &m.data[r / ROWS * group_bytes..][..group_bytes];
+        for t in (0..tokens).step_by(TOKENS) {
+            let k = (tokens - t).min(TOKENS);
+            let token: [&[Q8x32]; TOKENS] = std::array::from_fn(|j| &a[(t + j).min(tokens - 1) * per..][..per]);
+            let mut sums = [[0f32; ROWS]; TOKENS];
+            kernel(m.ty, records, &token[..k], &mut sums);
+            for (j, sums) in sums[..k].iter().enumerate() {
+                // SAFETY: rows r..r + n of token t + j belong to this task alone, inside the
+                // product's `out`.
+                unsafe { out.slice((t + j) * m.rows + r, n) }.copy_from_slice(&sums[..n]);
+            }
+        }
+    }
+}
+
 /// Rows per task: enough work per task to pay for handing it out, and enough tasks to keep
 /// every thread busy to the end.
 fn tile_rows(rows: usize, tokens: usize, cols: usize, threads: usize) -> usize {
@@ -332,6 +408,9 @@ pub struct Activations<'a> {
     /// a sequence's tokens do not depend on which others share its steps. The tiles add in
     /// another order than the row kernels.
     separate_steps: bool,
+    /// The test defect of batch invariance for repacked weights: a batch's steps go through the
+    /// scalar kernel with its float steps in another order.
+    reordered: bool,
     q32: OnceLock<Vec<Q8x32>>,
     q256: OnceLock<Vec<Q8x256>>,
 }
@@ -339,12 +418,13 @@ pub struct Activations<'a> {
 impl<'a> Activations<'a> {
     pub fn new(values: &'a [f32], rows: usize, cols: usize) -> Self {
         assert_eq!(values.len(), rows * cols);
-        Self { values, rows, cols, separate_steps: false, q32: OnceLock::new(), q256: OnceLock::new() }
+        Self { values, rows, cols, separate_steps: false, reordered: false, q32: OnceLock::new(), q256: OnceLock::new() }
     }
 
     /// One row per sequence, each its decode step (see `separate_steps`).
     pub fn decode_steps(values: &'a [f32], rows: usize, cols: usize) -> Self {
-        Self { separate_steps: !crate::test_defect("batch-tiles"), ..Self::new(values, rows, cols) }
+        let defect = crate::test_defect("batch-tiles");
+        Self { separate_steps: !defect, reordered: defect && rows > 1, ..Self::new(values, rows, cols) }
     }
 
     fn row_f32(&self, t: usize) -> &[f32] {
@@ -391,11 +471,11 @@ mod tests {
             for t in 0..tokens {
                 let xt = &x[t * cols..(t + 1) * cols];
                 let reference = if m.ty == GgmlType::F32 {
-                    (0..rows).map(|r| { let mut o = [0f32]; (Kernels::SCALAR.f32_rows)(m.row(r), m.row_bytes, xt, &mut o); o[0] }).collect::<Vec<_>>()
+                    (0..rows).map(|r| { let mut o = [0f32]; (Kernels::SCALAR.f32_rows)(&m.row(r), m.row_bytes, xt, &mut o); o[0] }).collect::<Vec<_>>()
                 } else {
                     let mut q = vec![crate::cpu::dot::Q8x32::default(); cols / 32];
                     crate::cpu::dot::quantize_q8x32(xt, &mut q);
-                    (0..rows).map(|r| { let mut o = [0f32]; (Kernels::SCALAR.q8_0)(m.row(r), m.row_bytes, &q, &mut o); o[0] }).collect::<Vec<_>>()
+                    (0..rows).map(|r| { let mut o = [0f32]; (Kernels::SCALAR.q8_0)(&m.row(r), m.row_bytes, &q, &mut o); o[0] }).collect::<Vec<_>>()
                 };
                 for (r, want) in reference.iter().enumerate() {
                     let got = out[t * rows + r];
@@ -413,9 +493,9 @@ mod tests {
         use crate::cpu::conformance::{activations, blocks, Blocks, TYPES};
         use rand::SeedableRng;
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
-        let (rows, tokens) = (21, 7);
         let floats = [GgmlType::F32, GgmlType::F16, GgmlType::BF16].map(|ty| (ty, &[][..]));
-        for &(ty, scale_at) in TYPES.iter().chain(&floats) {
+        // 21 rows: tiles of 8 and a remainder; 24: repacked where this processor repacks.
+        for (rows, &(ty, scale_at)) in [21, 24].into_iter().flat_map(|rows| TYPES.iter().chain(&floats).map(move |t| (rows, t))) {
             let cols = 2 * 256;
             let w = match ty {
                 GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
@@ -430,20 +510,22 @@ mod tests {
                 _ => blocks(ty, scale_at, rows * cols / ty.block_elements(), Blocks::Random, &mut rng),
             };
             let m = PackedMatrix::new(ty, rows, cols, Bytes::Owned(w)).unwrap();
-            let x: Vec<f32> = (0..tokens).flat_map(|_| activations(cols, &mut rng)).collect();
-            let mut out = vec![0f32; tokens * rows];
-            Team::run(|team| m.multiply(&Activations::new(&x, tokens, cols), &mut out, team));
-            for t in 0..tokens {
-                for r in 0..rows {
-                    let mut want = [0f32];
-                    crate::cpu::conformance::rows_with(&Kernels::SCALAR, ty, m.row(r), m.row_bytes, &x[t * cols..(t + 1) * cols], &mut want);
-                    let got = out[t * rows + r];
-                    if matches!(tile_kind(Kernels::detect(), ty, tokens), Some(TileKind::K(..) | TileKind::Q32(..))) {
-                        assert!(got == want[0], "{ty} token {t} row {r}: {got} vs {}", want[0]);
-                    } else {
-                        // The row kernels and the float tiles add in another order than the
-                        // reference.
-                        assert!((got - want[0]).abs() <= 1e-4 * want[0].abs().max(cols as f32 / 10.0), "{ty} token {t} row {r}: {got} vs {}", want[0]);
+            for tokens in [1, 2, 7] {
+                let x: Vec<f32> = (0..tokens).flat_map(|_| activations(cols, &mut rng)).collect();
+                let mut out = vec![0f32; tokens * rows];
+                Team::run(|team| m.multiply(&Activations::new(&x, tokens, cols), &mut out, team));
+                for t in 0..tokens {
+                    for r in 0..rows {
+                        let mut want = [0f32];
+                        crate::cpu::conformance::rows_with(&Kernels::SCALAR, ty, &m.row(r), m.row_bytes, &x[t * cols..(t + 1) * cols], &mut want);
+                        let got = out[t * rows + r];
+                        if m.is_interleaved() || matches!(tile_kind(Kernels::detect(), ty, tokens), Some(TileKind::K(..) | TileKind::Q32(..))) {
+                            assert!(got == want[0], "{ty} token {t} row {r}: {got} vs {}", want[0]);
+                        } else {
+                            // The row kernels and the float tiles add in another order than the
+                            // reference.
+                            assert!((got - want[0]).abs() <= 1e-4 * want[0].abs().max(cols as f32 / 10.0), "{ty} token {t} row {r}: {got} vs {}", want[0]);
+                        }
                     }
                 }
             }

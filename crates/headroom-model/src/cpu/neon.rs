@@ -39,6 +39,7 @@ pub const KERNELS: Kernels = Kernels {
     k_tile: None,
     tile32: None,
     float_tile: None,
+    interleaved32: None,
 };
 
 /// Σ x·y of 16 signed bytes, in four i32 lanes (products fit i16: |x·y| ≤ 128²).

@@ -1,0 +1,320 @@
+//! Q4_0, Q4_1 and Q8_0 weights repacked at load into groups of 8 rows whose vector lanes are the
+//! rows (llama.cpp's CPU "repack" does the same for its x86 kernels), so that one product kernel
+//! serves every token count — a lone decode step, a batch of sequences' steps, a prefill — with
+//! the same arithmetic for each token.
+//!
+//! The row kernels of [`super::dot`] spend per 32-weight block and token a float scale, a
+//! conversion and a fused multiply-add on one row, and sum across lanes at the end; unpacking is
+//! repeated for every pair of tokens. Here one 256-bit `vpdpbusd` multiplies 4 columns of all 8
+//! rows with 4 activations, one float step per block scales 8 rows at once, and each weight load
+//! serves up to 4 tokens. A decode step then costs about half the instructions of the row
+//! kernels, so it streams weights close to the memory's rate, and a batch of 4 sequences reads
+//! the weights once for all four.
+//!
+//! Every lane takes the scalar reference's steps (exact integer sums per block, then
+//! `d · d_act · (Σ − offset · Σ_act)` or `d · d_act · Σ + m · s_act`, added block after block), so
+//! a product equals [`super::dot`]'s scalar reference bit for bit whatever the token count, and a
+//! sequence's logits in a batch equal its lone step's.
+//!
+//! A record holds one block (32 columns) of a group's 8 rows, the same bytes as the 8 blocks it
+//! replaces: the 8 f16 scales, Q4_1's 8 f16 minimums, then the quants — for the 4-bit types 4 ×
+//! 32 bytes, where bytes `4r..4r + 4` of the `h`-th 32 are row `r`'s packed bytes `4h..4h + 4`
+//! (low nibbles: columns `4h..4h + 4`, high nibbles: `16 + 4h..`); for Q8_0 8 × 32 bytes, row
+//! `r`'s columns `4g..4g + 4` at `32g + 4r`, stored `+ 128` (unsigned, as `vpdpbusd` takes its
+//! first operand). A group's records follow each other, groups follow each other. Only matrices
+//! of whole groups are repacked (every model's are; a remainder would make the engine hold more
+//! bytes than the file, which admission counts).
+
+use super::dot::{f16_at, Q8x32};
+use super::tile::{combine32, Combine32, ROWS, TOKENS};
+use crate::quants::GgmlType;
+
+/// Bytes of one record of `ty` (8 rows × one block), `None` for types not repacked.
+pub fn record_bytes(ty: GgmlType) -> Option<usize> {
+    combine32(ty).map(|_| ROWS * ty.block_bytes())
+}
+
+/// Where a record's quants start: after the scales (and Q4_1's minimums).
+fn quants_at(ty: GgmlType) -> usize {
+    if ty == GgmlType::Q4_1 {
+        4 * ROWS
+    } else {
+        2 * ROWS
+    }
+}
+
+/// Repacks rows `w` (a multiple of 8 of them, `row_bytes` bytes each, whole blocks of `ty`) into
+/// records, in `out` (as long as `w`).
+pub fn interleave(ty: GgmlType, w: &[u8], row_bytes: usize, out: &mut [u8]) {
+    let rec = record_bytes(ty).expect("a 32-value type");
+    let size = ty.block_bytes();
+    let blocks = row_bytes / size;
+    assert!(w.len() % (ROWS * row_bytes) == 0 && out.len() == w.len(), "whole groups of {ROWS} rows");
+    let q = quants_at(ty);
+    for (r, row) in w.chunks_exact(row_bytes).enumerate() {
+        let (group, lane) = (r / ROWS, r % ROWS);
+        for (i, b) in row.chunks_exact(size).enumerate() {
+            let o = &mut out[(group * blocks + i) * rec..][..rec];
+            o[2 * lane..2 * lane + 2].copy_from_slice(&b[0..2]);
+            match ty {
+                GgmlType::Q4_0 | GgmlType::Q4_1 => {
+                    let packed = if ty == GgmlType::Q4_1 {
+                        o[2 * ROWS + 2 * lane..2 * ROWS + 2 * lane + 2].copy_from_slice(&b[2..4]);
+                        &b[4..20]
+                    } else {
+                        &b[2..18]
+                    };
+                    for h in 0..4 {
+                        o[q + 32 * h + 4 * lane..][..4].copy_from_slice(&packed[4 * h..4 * h + 4]);
+                    }
+                }
+                _ => {
+                    for g in 0..8 {
+                        for j in 0..4 {
+                            o[q + 32 * g + 4 * lane + j] = b[2 + 4 * g + j] ^ 0x80;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Row `r`'s blocks in the file's layout again, from the records (an embedding lookup).
+pub fn row(ty: GgmlType, records: &[u8], row_bytes: usize, r: usize) -> Vec<u8> {
+    let rec = record_bytes(ty).expect("a 32-value type");
+    let size = ty.block_bytes();
+    let blocks = row_bytes / size;
+    let q = quants_at(ty);
+    let (group, lane) = (r / ROWS, r % ROWS);
+    let mut out = vec![0u8; row_bytes];
+    for (i, b) in out.chunks_exact_mut(size).enumerate() {
+        let o = &records[(group * blocks + i) * rec..][..rec];
+        b[0..2].copy_from_slice(&o[2 * lane..2 * lane + 2]);
+        match ty {
+            GgmlType::Q4_0 | GgmlType::Q4_1 => {
+                let at = if ty == GgmlType::Q4_1 {
+                    b[2..4].copy_from_slice(&o[2 * ROWS + 2 * lane..2 * ROWS + 2 * lane + 2]);
+                    4
+                } else {
+                    2
+                };
+                for h in 0..4 {
+                    b[at + 4 * h..at + 4 * h + 4].copy_from_slice(&o[q + 32 * h + 4 * lane..][..4]);
+                }
+            }
+            _ => {
+                for g in 0..8 {
+                    for j in 0..4 {
+                        b[2 + 4 * g + j] = o[q + 32 * g + 4 * lane + j] ^ 0x80;
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// `out[t][r]` = row `r` of a group (its records, one per block) times token `t` (`a[t]`, one
+/// activation block per block), for 1 to [`TOKENS`] tokens.
+pub type InterleavedKernel = fn(ty: GgmlType, records: &[u8], a: &[&[Q8x32]], out: &mut [[f32; ROWS]; TOKENS]);
+
+/// The quant of lane `r`, column `c` of a record, unsigned (see the module's layout).
+fn quant(ty: GgmlType, o: &[u8], r: usize, c: usize) -> i32 {
+    let q = quants_at(ty);
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q4_1 => {
+            let byte = o[q + 32 * (c % 16 / 4) + 4 * r + c % 4];
+            (if c < 16 { byte & 0x0f } else { byte >> 4 }) as i32
+        }
+        _ => o[q + 32 * (c / 4) + 4 * r + c % 4] as i32,
+    }
+}
+
+/// The scalar form of the kernel: the tests' check of the layout, and the kernel where no SIMD
+/// form exists. With `reordered`, the blocks are added last to first (another rounding): the
+/// negative control of batch invariance, for products of a batch's steps.
+pub fn scalar(ty: GgmlType, records: &[u8], a: &[&[Q8x32]], out: &mut [[f32; ROWS]; TOKENS], reordered: bool) {
+    let rec = record_bytes(ty).expect("a 32-value type");
+    let combine = combine32(ty).expect("a 32-value type");
+    for (t, a) in a.iter().enumerate() {
+        for r in 0..ROWS {
+            let mut sum = 0f32;
+            let mut blocks: Vec<(&[u8], &Q8x32)> = records.chunks_exact(rec).zip(a.iter()).collect();
+            if reordered {
+                blocks.reverse();
+            }
+            for (o, a) in blocks {
+                let isum: i32 = (0..32).map(|c| quant(ty, o, r, c) * a.qs[c] as i32).sum();
+                let d = f16_at(o, 2 * r);
+                sum += match combine {
+                    Combine32::Offset(offset) => d * a.d * (isum - offset * a.sum) as f32,
+                    Combine32::Min => d * a.d * isum as f32 + f16_at(o, 2 * ROWS + 2 * r) * a.s,
+                };
+            }
+            out[t][r] = sum;
+        }
+    }
+}
+
+/// The kernel with AVX-512 VNNI (`vpdpbusd` on 256-bit vectors).
+#[cfg(target_arch = "x86_64")]
+pub(super) mod vnni {
+    #![allow(unsafe_op_in_unsafe_fn)]
+    use std::arch::x86_64::*;
+
+    use super::*;
+
+    pub fn kernel(ty: GgmlType, records: &[u8], a: &[&[Q8x32]], out: &mut [[f32; ROWS]; TOKENS]) {
+        let rec = record_bytes(ty).expect("a 32-value type");
+        let blocks = records.len() / rec;
+        assert_eq!(records.len(), blocks * rec);
+        for a in a {
+            assert!(a.len() >= blocks);
+        }
+        // SAFETY: this kernel is only in the set of processors with AVX-512 VL and VNNI; every
+        // token has an activation block per record (checked above).
+        macro_rules! by_type {
+            ($t:literal) => {
+                match ty {
+                    GgmlType::Q4_0 => tokens::<$t, 0>(records.as_ptr(), blocks, a, out),
+                    GgmlType::Q4_1 => tokens::<$t, 1>(records.as_ptr(), blocks, a, out),
+                    _ => tokens::<$t, 2>(records.as_ptr(), blocks, a, out),
+                }
+            };
+        }
+        unsafe {
+            match a.len() {
+                1 => by_type!(1),
+                2 => by_type!(2),
+                3 => by_type!(3),
+                4 => by_type!(4),
+                n => panic!("1 to {TOKENS} tokens per call, not {n}"),
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn four(a: &Q8x32, at: usize) -> __m256i {
+        _mm256_set1_epi32(std::ptr::read_unaligned(a.qs.as_ptr().add(at) as *const i32))
+    }
+
+    /// `KIND`: 0 Q4_0, 1 Q4_1, 2 Q8_0.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    unsafe fn tokens<const T: usize, const KIND: u8>(records: *const u8, blocks: usize, a: &[&[Q8x32]], out: &mut [[f32; ROWS]; TOKENS]) {
+        let (rec, q, offset) = match KIND {
+            0 => (ROWS * 18, 2 * ROWS, 8),
+            1 => (ROWS * 20, 4 * ROWS, 0),
+            _ => (ROWS * 34, 2 * ROWS, 128),
+        };
+        let low = _mm256_set1_epi8(0x0f);
+        let mut sum = [_mm256_setzero_ps(); T];
+        for i in 0..blocks {
+            let o = records.add(i * rec);
+            let ab: [&Q8x32; T] = std::array::from_fn(|t| a[t].get_unchecked(i));
+            let mut isum = [_mm256_setzero_si256(); T];
+            if KIND == 2 {
+                for g in 0..8 {
+                    let w = _mm256_loadu_si256(o.add(q + 32 * g) as *const __m256i);
+                    for t in 0..T {
+                        isum[t] = _mm256_dpbusd_epi32(isum[t], w, four(ab[t], 4 * g));
+                    }
+                }
+            } else {
+                for h in 0..4 {
+                    let v = _mm256_loadu_si256(o.add(q + 32 * h) as *const __m256i);
+                    let (lo, hi) = (_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16::<4>(v), low));
+                    for t in 0..T {
+                        isum[t] = _mm256_dpbusd_epi32(isum[t], lo, four(ab[t], 4 * h));
+                        isum[t] = _mm256_dpbusd_epi32(isum[t], hi, four(ab[t], 16 + 4 * h));
+                    }
+                }
+            }
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(o as *const __m128i));
+            // The scalar reference's float steps, lane by lane (no fused multiply-adds).
+            for t in 0..T {
+                let scale = _mm256_mul_ps(d, _mm256_set1_ps(ab[t].d));
+                let part = if KIND == 1 {
+                    let m = _mm256_cvtph_ps(_mm_loadu_si128(o.add(2 * ROWS) as *const __m128i));
+                    _mm256_add_ps(_mm256_mul_ps(scale, _mm256_cvtepi32_ps(isum[t])), _mm256_mul_ps(m, _mm256_set1_ps(ab[t].s)))
+                } else {
+                    _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[t], _mm256_set1_epi32(offset * ab[t].sum))))
+                };
+                sum[t] = _mm256_add_ps(sum[t], part);
+            }
+        }
+        for t in 0..T {
+            _mm256_storeu_ps(out[t].as_mut_ptr(), sum[t]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::conformance::{activations, blocks, Blocks, TYPES};
+    use crate::cpu::dot::{quantize_q8x32, Kernels};
+    use rand::SeedableRng;
+
+    /// Rows come back out of the records as the file stored them.
+    #[test]
+    fn rows_come_back_from_the_records() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        for &(ty, scale_at) in TYPES.iter().filter(|(ty, _)| record_bytes(*ty).is_some()) {
+            let (rows, cols) = (16, 96);
+            let row_bytes = cols / 32 * ty.block_bytes();
+            let w = blocks(ty, scale_at, rows * cols / 32, Blocks::Random, &mut rng);
+            let mut records = vec![0u8; w.len()];
+            interleave(ty, &w, row_bytes, &mut records);
+            assert_eq!(records.len(), 2 * 3 * record_bytes(ty).unwrap());
+            for r in 0..rows {
+                assert_eq!(row(ty, &records, row_bytes, r), &w[r * row_bytes..(r + 1) * row_bytes], "{ty} row {r}");
+            }
+        }
+    }
+
+    /// The scalar kernel on the records and this processor's kernel equal the scalar row
+    /// reference bit for bit, for 1 to 4 tokens; the reordered control does not.
+    #[test]
+    fn kernels_equal_the_row_reference_exactly() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(4);
+        for &(ty, scale_at) in TYPES.iter().filter(|(ty, _)| record_bytes(*ty).is_some()) {
+            let (rows, cols) = (8, 320);
+            let row_bytes = cols / 32 * ty.block_bytes();
+            let w = blocks(ty, scale_at, rows * cols / 32, Blocks::Random, &mut rng);
+            let mut records = vec![0u8; w.len()];
+            interleave(ty, &w, row_bytes, &mut records);
+            let q: Vec<Vec<Q8x32>> = (0..TOKENS)
+                .map(|_| {
+                    let mut q = vec![Q8x32::default(); cols / 32];
+                    quantize_q8x32(&activations(cols, &mut rng), &mut q);
+                    q
+                })
+                .collect();
+            let reference = Kernels::SCALAR.q8x32_kernels(ty).0;
+            let mut reordered_differs = false;
+            for tokens in 1..=TOKENS {
+                let a: Vec<&[Q8x32]> = q[..tokens].iter().map(Vec::as_slice).collect();
+                let mut kernels: Vec<(&str, InterleavedKernel)> = vec![("scalar", |ty, rec, a, out| scalar(ty, rec, a, out, false))];
+                if let Some(k) = Kernels::detect().interleaved32 {
+                    kernels.push((Kernels::detect().name, k));
+                }
+                for (name, kernel) in kernels {
+                    let mut out = [[0f32; ROWS]; TOKENS];
+                    kernel(ty, &records, &a, &mut out);
+                    for (t, a) in a.iter().enumerate() {
+                        let mut want = [0f32; ROWS];
+                        reference(&w, row_bytes, a, &mut want);
+                        assert_eq!(out[t], want, "{ty} {name}: token {t} of {tokens}");
+                    }
+                }
+                let mut reordered = [[0f32; ROWS]; TOKENS];
+                scalar(ty, &records, &a, &mut reordered, true);
+                let mut exact = [[0f32; ROWS]; TOKENS];
+                scalar(ty, &records, &a, &mut exact, false);
+                reordered_differs |= reordered != exact;
+            }
+            assert!(reordered_differs, "{ty}: the reordered control changes nothing");
+        }
+    }
+}
