@@ -233,8 +233,11 @@ pub mod scalar {
         sum
     }
 
+    /// The minimums' terms are summed apart and added last, as llama.cpp and the row kernels
+    /// do (mixed into the scaled sums they cost precision: teacher-forced agreement with
+    /// llama.cpp on the default model 97.7% mixed, 98.6% apart).
     pub fn q4_1(w: &[u8], a: &[Q8x32]) -> f32 {
-        let mut sum = 0f32;
+        let (mut sum, mut mins) = (0f32, 0f32);
         for (b, a) in w.chunks_exact(20).zip(a) {
             let qs = &b[4..20];
             let mut isum = 0i32;
@@ -242,9 +245,10 @@ pub mod scalar {
                 isum += (qs[j] & 0x0f) as i32 * a.qs[j] as i32;
                 isum += (qs[j] >> 4) as i32 * a.qs[j + 16] as i32;
             }
-            sum += f16_at(b, 0) * a.d * isum as f32 + f16_at(b, 2) * a.s;
+            sum += f16_at(b, 0) * a.d * isum as f32;
+            mins += f16_at(b, 2) * a.s;
         }
-        sum
+        sum + mins
     }
 
     pub fn q8_0(w: &[u8], a: &[Q8x32]) -> f32 {

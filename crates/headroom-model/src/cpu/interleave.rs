@@ -12,7 +12,8 @@
 //! the weights once for all four.
 //!
 //! Every lane takes the scalar reference's steps (exact integer sums per block, then
-//! `d · d_act · (Σ − offset · Σ_act)` or `d · d_act · Σ + m · s_act`, added block after block), so
+//! `d · d_act · (Σ − offset · Σ_act)` or `d · d_act · Σ` added block after block, Q4_1's
+//! `m · s_act` summed apart and added last), so
 //! a product equals [`super::dot`]'s scalar reference bit for bit whatever the token count, and a
 //! sequence's logits in a batch equal its lone step's.
 //!
@@ -139,7 +140,7 @@ pub fn scalar(ty: GgmlType, records: &[u8], a: &[&[Q8x32]], out: &mut [[f32; ROW
     let combine = combine32(ty).expect("a 32-value type");
     for (t, a) in a.iter().enumerate() {
         for r in 0..ROWS {
-            let mut sum = 0f32;
+            let (mut sum, mut mins) = (0f32, 0f32);
             let mut blocks: Vec<(&[u8], &Q8x32)> = records.chunks_exact(rec).zip(a.iter()).collect();
             if reordered {
                 blocks.reverse();
@@ -149,10 +150,13 @@ pub fn scalar(ty: GgmlType, records: &[u8], a: &[&[Q8x32]], out: &mut [[f32; ROW
                 let d = f16_at(o, 2 * r);
                 sum += match combine {
                     Combine32::Offset(offset) => d * a.d * (isum - offset * a.sum) as f32,
-                    Combine32::Min => d * a.d * isum as f32 + f16_at(o, 2 * ROWS + 2 * r) * a.s,
+                    Combine32::Min => {
+                        mins += f16_at(o, 2 * ROWS + 2 * r) * a.s;
+                        d * a.d * isum as f32
+                    }
                 };
             }
-            out[t][r] = sum;
+            out[t][r] = sum + mins;
         }
     }
 }
@@ -209,6 +213,8 @@ pub(super) mod vnni {
         };
         let low = _mm256_set1_epi8(0x0f);
         let mut sum = [_mm256_setzero_ps(); T];
+        // Q4_1's minimums' terms, summed apart (see `dot::scalar::q4_1`).
+        let mut mins = [_mm256_setzero_ps(); T];
         for i in 0..blocks {
             let o = records.add(i * rec);
             let ab: [&Q8x32; T] = std::array::from_fn(|t| a[t].get_unchecked(i));
@@ -236,7 +242,8 @@ pub(super) mod vnni {
                 let scale = _mm256_mul_ps(d, _mm256_set1_ps(ab[t].d));
                 let part = if KIND == 1 {
                     let m = _mm256_cvtph_ps(_mm_loadu_si128(o.add(2 * ROWS) as *const __m128i));
-                    _mm256_add_ps(_mm256_mul_ps(scale, _mm256_cvtepi32_ps(isum[t])), _mm256_mul_ps(m, _mm256_set1_ps(ab[t].s)))
+                    mins[t] = _mm256_add_ps(mins[t], _mm256_mul_ps(m, _mm256_set1_ps(ab[t].s)));
+                    _mm256_mul_ps(scale, _mm256_cvtepi32_ps(isum[t]))
                 } else {
                     _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[t], _mm256_set1_epi32(offset * ab[t].sum))))
                 };
@@ -244,7 +251,7 @@ pub(super) mod vnni {
             }
         }
         for t in 0..T {
-            _mm256_storeu_ps(out[t].as_mut_ptr(), sum[t]);
+            _mm256_storeu_ps(out[t].as_mut_ptr(), _mm256_add_ps(sum[t], mins[t]));
         }
     }
 }

@@ -148,7 +148,7 @@ fn q4_0(w: &[u8], a: &[Q8x32]) -> f32 {
 }
 
 fn q4_1(w: &[u8], a: &[Q8x32]) -> f32 {
-    let mut sum = 0f32;
+    let (mut sum, mut mins) = (0f32, 0f32);
     for (b, a) in w.chunks_exact(20).zip(a) {
         // SAFETY: 16 quant bytes at 4..20 of the block, 32 activations.
         let isum = unsafe {
@@ -157,9 +157,10 @@ fn q4_1(w: &[u8], a: &[Q8x32]) -> f32 {
             let high = vreinterpretq_s8_u8(vshrq_n_u8::<4>(packed));
             vaddvq_s32(vaddq_s32(dot16(low, y16(&a.qs, 0)), dot16(high, y16(&a.qs, 16))))
         };
-        sum += f16_at(b, 0) * a.d * isum as f32 + f16_at(b, 2) * a.s;
+        sum += f16_at(b, 0) * a.d * isum as f32;
+        mins += f16_at(b, 2) * a.s;
     }
-    sum
+    sum + mins
 }
 
 fn q8_0(w: &[u8], a: &[Q8x32]) -> f32 {

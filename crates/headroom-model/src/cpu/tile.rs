@@ -212,7 +212,7 @@ pub enum Combine32 {
     /// Q4_0 (8), Q8_0 (128): the unsigned quants' offset times the activations' sum is
     /// subtracted in integers, then `d · d_act · Σ`.
     Offset(i32),
-    /// Q4_1: `d · d_act · Σ + m · s_act`.
+    /// Q4_1: `d · d_act · Σ`, plus `m · s_act` summed apart and added last.
     Min,
 }
 
@@ -274,15 +274,18 @@ pub type Tile32Kernel = fn(blocks: &[QBlock8], a: &[&[Q8x32]], combine: Combine3
 pub fn scalar32(blocks: &[QBlock8], a: &[&[Q8x32]], combine: Combine32, out: &mut [[f32; ROWS]; TOKENS]) {
     for (t, a) in a.iter().enumerate() {
         for r in 0..ROWS {
-            let mut sum = 0f32;
+            let (mut sum, mut mins) = (0f32, 0f32);
             for (blk, a) in blocks.iter().zip(a.iter()) {
                 let isum: i32 = (0..32).map(|c| blk.q[c / 4][4 * r + c % 4] as i32 * a.qs[c] as i32).sum();
                 sum += match combine {
                     Combine32::Offset(offset) => blk.d[r] * a.d * (isum - offset * a.sum) as f32,
-                    Combine32::Min => blk.d[r] * a.d * isum as f32 + blk.m[r] * a.s,
+                    Combine32::Min => {
+                        mins += blk.m[r] * a.s;
+                        blk.d[r] * a.d * isum as f32
+                    }
                 };
             }
-            out[t][r] = sum;
+            out[t][r] = sum + mins;
         }
     }
 }
@@ -316,6 +319,8 @@ pub(super) mod vnni {
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
     unsafe fn tokens<const T: usize>(blocks: &[QBlock8], a: &[&[Q8x32]], combine: Combine32, out: &mut [[f32; ROWS]; TOKENS]) {
         let mut sum = [_mm256_setzero_ps(); T];
+        // Q4_1's minimums' terms, summed apart (see `dot::scalar::q4_1`).
+        let mut mins = [_mm256_setzero_ps(); T];
         for (i, blk) in blocks.iter().enumerate() {
             let ab: [&Q8x32; T] = std::array::from_fn(|t| a[t].get_unchecked(i));
             let q = blk.q.as_ptr() as *const __m256i;
@@ -333,16 +338,16 @@ pub(super) mod vnni {
                 let scale = _mm256_mul_ps(d, _mm256_set1_ps(ab[t].d));
                 let part = match combine {
                     Combine32::Offset(offset) => _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[t], _mm256_set1_epi32(offset * ab[t].sum)))),
-                    Combine32::Min => _mm256_add_ps(
-                        _mm256_mul_ps(scale, _mm256_cvtepi32_ps(isum[t])),
-                        _mm256_mul_ps(_mm256_load_ps(blk.m.as_ptr()), _mm256_set1_ps(ab[t].s)),
-                    ),
+                    Combine32::Min => {
+                        mins[t] = _mm256_add_ps(mins[t], _mm256_mul_ps(_mm256_load_ps(blk.m.as_ptr()), _mm256_set1_ps(ab[t].s)));
+                        _mm256_mul_ps(scale, _mm256_cvtepi32_ps(isum[t]))
+                    }
                 };
                 sum[t] = _mm256_add_ps(sum[t], part);
             }
         }
         for t in 0..T {
-            _mm256_storeu_ps(out[t].as_mut_ptr(), sum[t]);
+            _mm256_storeu_ps(out[t].as_mut_ptr(), _mm256_add_ps(sum[t], mins[t]));
         }
     }
 }
@@ -465,6 +470,8 @@ pub(super) mod avx2_32 {
         let ones = _mm256_set1_epi16(1);
         let signed = combine == Combine32::Offset(128);
         let mut sum = [_mm256_setzero_ps(); T];
+        // Q4_1's minimums' terms, summed apart (see `dot::scalar::q4_1`).
+        let mut mins = [_mm256_setzero_ps(); T];
         for (i, blk) in blocks.iter().enumerate() {
             let ab: [&Q8x32; T] = std::array::from_fn(|t| a[t].get_unchecked(i));
             let q = blk.q.as_ptr() as *const __m256i;
@@ -498,16 +505,16 @@ pub(super) mod avx2_32 {
                 let part = match combine {
                     Combine32::Offset(_) if signed => _mm256_mul_ps(scale, _mm256_cvtepi32_ps(isum[t])),
                     Combine32::Offset(offset) => _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[t], _mm256_set1_epi32(offset * ab[t].sum)))),
-                    Combine32::Min => _mm256_add_ps(
-                        _mm256_mul_ps(scale, _mm256_cvtepi32_ps(isum[t])),
-                        _mm256_mul_ps(_mm256_load_ps(blk.m.as_ptr()), _mm256_set1_ps(ab[t].s)),
-                    ),
+                    Combine32::Min => {
+                        mins[t] = _mm256_add_ps(mins[t], _mm256_mul_ps(_mm256_load_ps(blk.m.as_ptr()), _mm256_set1_ps(ab[t].s)));
+                        _mm256_mul_ps(scale, _mm256_cvtepi32_ps(isum[t]))
+                    }
                 };
                 sum[t] = _mm256_add_ps(sum[t], part);
             }
         }
         for t in 0..T {
-            _mm256_storeu_ps(out[t].as_mut_ptr(), sum[t]);
+            _mm256_storeu_ps(out[t].as_mut_ptr(), _mm256_add_ps(sum[t], mins[t]));
         }
     }
 }
