@@ -178,12 +178,16 @@ pub(super) mod vnni {
         }
         // SAFETY: this kernel is only in the set of processors with AVX-512 VL and VNNI; every
         // token has an activation block per record (checked above).
+        let layout = (rec, quants_at(ty), match combine32(ty) {
+            Some(Combine32::Offset(offset)) => offset,
+            _ => 0,
+        });
         macro_rules! by_type {
             ($t:literal) => {
                 match ty {
-                    GgmlType::Q4_0 => tokens::<$t, 0>(records.as_ptr(), blocks, a, out),
-                    GgmlType::Q4_1 => tokens::<$t, 1>(records.as_ptr(), blocks, a, out),
-                    _ => tokens::<$t, 2>(records.as_ptr(), blocks, a, out),
+                    GgmlType::Q4_0 => tokens::<$t, 0>(records.as_ptr(), blocks, layout, a, out),
+                    GgmlType::Q4_1 => tokens::<$t, 1>(records.as_ptr(), blocks, layout, a, out),
+                    _ => tokens::<$t, 2>(records.as_ptr(), blocks, layout, a, out),
                 }
             };
         }
@@ -203,14 +207,16 @@ pub(super) mod vnni {
         _mm256_set1_epi32(std::ptr::read_unaligned(a.qs.as_ptr().add(at) as *const i32))
     }
 
-    /// `KIND`: 0 Q4_0, 1 Q4_1, 2 Q8_0.
+    /// `KIND`: 0 Q4_0, 1 Q4_1, 2 Q8_0; `(rec, q, offset)`: the type's record bytes, where its
+    /// quants start, its quants' offset.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    unsafe fn tokens<const T: usize, const KIND: u8>(records: *const u8, blocks: usize, a: &[&[Q8x32]], out: &mut [[f32; ROWS]; TOKENS]) {
-        let (rec, q, offset) = match KIND {
-            0 => (ROWS * 18, 2 * ROWS, 8),
-            1 => (ROWS * 20, 4 * ROWS, 0),
-            _ => (ROWS * 34, 2 * ROWS, 128),
-        };
+    unsafe fn tokens<const T: usize, const KIND: u8>(
+        records: *const u8,
+        blocks: usize,
+        (rec, q, offset): (usize, usize, i32),
+        a: &[&[Q8x32]],
+        out: &mut [[f32; ROWS]; TOKENS],
+    ) {
         let low = _mm256_set1_epi8(0x0f);
         let mut sum = [_mm256_setzero_ps(); T];
         // Q4_1's minimums' terms, summed apart (see `dot::scalar::q4_1`).
@@ -263,6 +269,14 @@ mod tests {
     use crate::cpu::dot::{quantize_q8x32, Kernels};
     use rand::SeedableRng;
 
+    /// Random `rows × cols` weights of `ty`: their bytes as the file stores them, and repacked.
+    fn weights(ty: GgmlType, scale_at: &[usize], rows: usize, cols: usize, rng: &mut rand_chacha::ChaCha8Rng) -> (Vec<u8>, Vec<u8>) {
+        let w = blocks(ty, scale_at, rows * cols / 32, Blocks::Random, rng);
+        let mut records = vec![0u8; w.len()];
+        interleave(ty, &w, cols / 32 * ty.block_bytes(), &mut records);
+        (w, records)
+    }
+
     /// Rows come back out of the records as the file stored them.
     #[test]
     fn rows_come_back_from_the_records() {
@@ -270,9 +284,7 @@ mod tests {
         for &(ty, scale_at) in TYPES.iter().filter(|(ty, _)| record_bytes(*ty).is_some()) {
             let (rows, cols) = (16, 96);
             let row_bytes = cols / 32 * ty.block_bytes();
-            let w = blocks(ty, scale_at, rows * cols / 32, Blocks::Random, &mut rng);
-            let mut records = vec![0u8; w.len()];
-            interleave(ty, &w, row_bytes, &mut records);
+            let (w, records) = weights(ty, scale_at, rows, cols, &mut rng);
             assert_eq!(records.len(), 2 * 3 * record_bytes(ty).unwrap());
             for r in 0..rows {
                 assert_eq!(row(ty, &records, row_bytes, r), &w[r * row_bytes..(r + 1) * row_bytes], "{ty} row {r}");
@@ -288,9 +300,7 @@ mod tests {
         for &(ty, scale_at) in TYPES.iter().filter(|(ty, _)| record_bytes(*ty).is_some()) {
             let (rows, cols) = (8, 320);
             let row_bytes = cols / 32 * ty.block_bytes();
-            let w = blocks(ty, scale_at, rows * cols / 32, Blocks::Random, &mut rng);
-            let mut records = vec![0u8; w.len()];
-            interleave(ty, &w, row_bytes, &mut records);
+            let (w, records) = weights(ty, scale_at, rows, cols, &mut rng);
             let q: Vec<Vec<Q8x32>> = (0..TOKENS)
                 .map(|_| {
                     let mut q = vec![Q8x32::default(); cols / 32];

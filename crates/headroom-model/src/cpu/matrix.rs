@@ -179,6 +179,8 @@ enum TileKind {
     K(TileKernel, Combine),
     Q32(Tile32Kernel, Combine32),
     Float(FloatUnpack, FloatTileKernel),
+    /// Weights repacked at load ([`super::interleave`]), for every token count.
+    Interleaved(InterleavedKernel),
 }
 
 impl TileKind {
@@ -235,20 +237,19 @@ pub fn multiply_all(products: &mut [(&PackedMatrix, &mut [f32])], x: &Activation
         assert_eq!(out.len(), tokens * m.rows);
         let mut tile = tile_rows(m.rows, tokens, m.cols, team.threads());
         assert_eq!(x.cols, m.cols, "activations have {} columns, the weights {}", x.cols, m.cols);
-        let kind = if x.separate_steps || m.interleaved.is_some() { None } else { tile_kind(kernels, m.ty, tokens) };
+        let kind = match m.interleaved {
+            // The negative control of batch invariance: a batch's steps in another order.
+            Some(_) if x.reordered => Some(TileKind::Interleaved(|ty, records, a, out| interleave::scalar(ty, records, a, out, true))),
+            Some(kernel) => Some(TileKind::Interleaved(kernel)),
+            None if x.separate_steps => None,
+            None => tile_kind(kernels, m.ty, tokens),
+        };
         let product = match kind {
-            None if m.interleaved.is_some() => {
+            None => Product::Rows(m.rows_dot(x, team)),
+            Some(TileKind::Interleaved(kernel)) => {
                 let a = x.q8x32(team);
-                // The negative control of batch invariance: a batch's steps in another order.
-                let kernel = match m.interleaved {
-                    Some(_) if x.reordered => |ty, records: &[u8], a: &[&[Q8x32]], out: &mut [[f32; ROWS]; TOKENS]| interleave::scalar(ty, records, a, out, true),
-                    Some(kernel) => kernel,
-                    None => unreachable!(),
-                };
-                tile = tile.next_multiple_of(ROWS);
                 Product::Tiled(Box::new(move |out, first, last| interleaved_task(m, a, kernel, out, tokens, first, last)))
             }
-            None => Product::Rows(m.rows_dot(x, team)),
             Some(TileKind::Float(unpack, kernel)) => {
                 let a = x.values;
                 Product::Tiled(Box::new(move |out, first, last| {
