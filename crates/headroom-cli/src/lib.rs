@@ -288,7 +288,7 @@ fn run_generate(args: GenerateArgs, device: DeviceChoice) -> Result<()> {
             headroom_worker::kernel_cache::configure();
             let device = burn_cuda::CudaDevice::new(0);
             return generate_on(&bundle, &args, "cuda:0", |on_layer| {
-                Ok(bundle.load::<burn_cuda::Cuda<f32>>(&device, on_layer)?)
+                Ok(bundle.load_as::<burn_cuda::Cuda<f32>>(&device, bundle.gpu_matrix_dtype(), on_layer)?)
             });
         }
     }

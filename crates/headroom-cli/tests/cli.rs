@@ -70,6 +70,10 @@ fn plan_prints_the_breakdown_and_a_decision() {
     assert_eq!(plan["footprint"]["kv_bytes"], 4096 * 500);
     assert_eq!(plan["gpu_budget"]["reserve_bytes"], 1024 * 1024 * 1024u64);
     assert_eq!(plan["admission"]["decision"], "gpu");
+    // A GPU holds the matrices in 16 bits and the norms in f32.
+    let bundle = headroom_model::ModelBundle::open(headroom_model::bundle::resolve_model(headroom_model::bundle::DEMO_MODEL)).unwrap();
+    let (params, norms) = (bundle.config.parameter_count() as u64, bundle.config.norm_parameter_count() as u64);
+    assert_eq!(plan["gpu_budget"]["weights_bytes"], (params - norms) * 2 + norms * 4, "{plan}");
 
     // A GPU smaller than its reserve: the request goes to CPU, with the reason.
     let out = headroom()

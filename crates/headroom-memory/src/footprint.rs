@@ -27,7 +27,8 @@ pub struct ModelShape {
     pub dtype_bytes: u64,
     pub context: u64,
     /// Bytes of weights where they are not `parameters × dtype_bytes`: the CPU engine holds a
-    /// GGUF file's packed tensors. 0: `parameters × dtype_bytes`.
+    /// GGUF file's packed tensors, a CUDA GPU the matrices in f16 or bf16. 0:
+    /// `parameters × dtype_bytes`.
     #[serde(default)]
     pub packed_weights_bytes: u64,
     /// Bytes per KV cache value where the cache is not held at `dtype_bytes`: the CPU engine's
@@ -57,13 +58,18 @@ impl ModelShape {
 
     /// The shape on `backend`: on the CPU, the engine's weights are the file's packed bytes
     /// ([`headroom_model::ModelBundle::cpu_weight_bytes`]) and its KV cache has the precision
-    /// `cpu_kv`; a GPU holds both as f32.
+    /// `cpu_kv`; CUDA holds the matrices in 16 bits
+    /// ([`headroom_model::ModelBundle::gpu_weight_bytes`]) and the KV cache in f32; any other
+    /// backend holds both as f32.
     pub fn for_backend(bundle: &headroom_model::ModelBundle, backend: &str, cpu_kv: KvPrecision) -> Self {
-        let shape = Self::from_config(&bundle.config);
-        if backend == "cpu" {
-            shape.on_cpu(bundle.cpu_weight_bytes, cpu_kv)
-        } else {
-            shape
+        let mut shape = Self::from_config(&bundle.config);
+        match backend {
+            "cpu" => shape.on_cpu(bundle.cpu_weight_bytes, cpu_kv),
+            "cuda" => {
+                shape.packed_weights_bytes = bundle.gpu_weight_bytes();
+                shape
+            }
+            _ => shape,
         }
     }
 

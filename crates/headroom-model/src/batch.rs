@@ -75,21 +75,24 @@ impl<'m, M: Decoder, K> Batch<'m, M, K> {
             }
         }
         let mut decoding: Vec<(u32, &mut M::Cache)> = Vec::new();
+        let mut pick = Vec::new();
         let mut fed = Vec::new();
         for (i, entry) in self.entries.iter_mut().enumerate() {
             if entry.stopped || entry.error.is_some() {
                 continue;
             }
+            let picks = entry.session.picks_on_device();
             if let Some(input) = entry.session.decode_input() {
                 decoding.push(input);
+                pick.push(picks);
                 fed.push(i);
             }
         }
         if !decoding.is_empty() {
-            let logits = self.model.feed_batch(&mut decoding);
+            let next = self.model.feed_batch(&mut decoding, &pick);
             drop(decoding);
-            for (i, logits) in fed.into_iter().zip(logits) {
-                self.entries[i].session.fed(logits);
+            for (i, next) in fed.into_iter().zip(next) {
+                self.entries[i].session.fed(next);
             }
         }
         // One prompt chunk per step, first come first served.

@@ -14,6 +14,7 @@ use crate::gguf::GgufFile;
 use crate::model::Llama;
 use crate::template::ChatTemplate;
 use crate::weights::{load_llama, WeightFiles};
+use burn::tensor::DType;
 use crate::{Error, Result};
 
 /// The folder of named models: the demo fixture committed in the repository and the default
@@ -217,13 +218,46 @@ impl ModelBundle {
         device: &B::Device,
         on_layer: impl FnMut(usize, usize),
     ) -> Result<Llama<B>> {
+        self.load_as(device, DType::F32, on_layer)
+    }
+
+    /// Loads the burn model with its matrices and embedding stored as `matrices` (see
+    /// [`ModelBundle::gpu_matrix_dtype`]); norms and activations stay f32.
+    pub fn load_as<B: Backend>(
+        &self,
+        device: &B::Device,
+        matrices: DType,
+        on_layer: impl FnMut(usize, usize),
+    ) -> Result<Llama<B>> {
         if self.format.container == "gguf" {
             let file = GgufFile::open(&self.path)?;
             let weights = crate::gguf_model::GgufWeights { file: &file, config: &self.config };
-            return load_llama(&weights, &self.config, device, on_layer);
+            return load_llama(&weights, &self.config, matrices, device, on_layer);
         }
         let files = WeightFiles::open(&self.path)?;
-        load_llama(&files, &self.config, device, on_layer)
+        load_llama(&files, &self.config, matrices, device, on_layer)
+    }
+
+    /// Bytes of weights on a GPU: the matrices and the embedding in [`Self::gpu_matrix_dtype`]
+    /// (2 bytes each), the norms in f32.
+    pub fn gpu_weight_bytes(&self) -> u64 {
+        self.weight_bytes_as(self.gpu_matrix_dtype())
+    }
+
+    /// Bytes of the burn model's weights loaded by [`Self::load_as`] with `matrices`.
+    pub fn weight_bytes_as(&self, matrices: DType) -> u64 {
+        let norms = self.config.norm_parameter_count() as u64;
+        (self.config.parameter_count() as u64 - norms) * matrices.size() as u64 + norms * 4
+    }
+
+    /// The type a GPU holds this model's matrices in: half the bytes of f32 for every decode
+    /// step to read. bf16 where the model is bf16 (its activations may need bf16's range), f16
+    /// otherwise (finer: quantized files' blocks carry f16 scales).
+    pub fn gpu_matrix_dtype(&self) -> DType {
+        match self.format.quantization.as_str() {
+            "BF16" => DType::BF16,
+            _ => DType::F16,
+        }
     }
 
     /// Loads the weights for the CPU engine: a GGUF file's packed tensors stay memory-mapped;

@@ -135,6 +135,12 @@ impl LlamaConfig {
         self.num_hidden_layers * (attn + mlp + norms) + embed + head + h
     }
 
+    /// Parameters of the RMSNorm weights (two per layer and the final one), which every engine
+    /// keeps in f32.
+    pub fn norm_parameter_count(&self) -> usize {
+        (2 * self.num_hidden_layers + 1) * self.hidden_size
+    }
+
     pub fn validate(&self) -> Result<()> {
         let supported = ["llama", "qwen2", "mistral"];
         if !supported.contains(&self.model_type.as_str()) {

@@ -147,12 +147,23 @@ pub trait Decoder {
     fn new_cache(&self, config: &crate::LlamaConfig, capacity: usize) -> Self::Cache;
     /// Feeds `tokens` at the cache's position and returns the logits of the last.
     fn feed(&self, tokens: &[u32], cache: &mut Self::Cache) -> Vec<f32>;
-    /// Feeds one token to each of several sequences (each its own cache) and returns each one's
-    /// logits, exactly what [`Decoder::feed`] of that token alone returns. A model that cannot
-    /// batch feeds them one after another.
-    fn feed_batch(&self, batch: &mut [(u32, &mut Self::Cache)]) -> Vec<Vec<f32>> {
-        batch.iter_mut().map(|(token, cache)| self.feed(&[*token], cache)).collect()
+    /// Feeds one token to each of several sequences (each its own cache) and gives each one's
+    /// logits, exactly what [`Decoder::feed`] of that token alone returns, or, where `pick[i]`
+    /// (the sequence samples greedily) and the model runs on a device, the most likely token
+    /// picked there: only its id then crosses to the host, not a vocabulary of logits. A model
+    /// that cannot batch feeds them one after another.
+    fn feed_batch(&self, batch: &mut [(u32, &mut Self::Cache)], pick: &[bool]) -> Vec<Next> {
+        let _ = pick;
+        batch.iter_mut().map(|(token, cache)| Next::Logits(self.feed(&[*token], cache))).collect()
     }
+}
+
+/// What a decode step gives a sequence: the logits of its next token, or the token itself where
+/// the model picked it (see [`Decoder::feed_batch`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Next {
+    Logits(Vec<f32>),
+    Token(u32),
 }
 
 /// burn's KV cache and the RoPE tables for its positions.
@@ -170,6 +181,11 @@ impl<B: Backend> Decoder for Llama<B> {
     fn feed(&self, tokens: &[u32], cache: &mut BurnCache<B>) -> Vec<f32> {
         self.step(tokens, &cache.rope, &mut cache.kv)
     }
+    fn feed_batch(&self, batch: &mut [(u32, &mut BurnCache<B>)], pick: &[bool]) -> Vec<Next> {
+        let mut batch: Vec<(u32, &RopeTables<B>, &mut KvCache<B>)> =
+            batch.iter_mut().map(|(token, cache)| (*token, &cache.rope, &mut cache.kv)).collect();
+        self.step_batch(&mut batch, pick)
+    }
 }
 
 impl Decoder for crate::cpu::CpuModel {
@@ -180,8 +196,9 @@ impl Decoder for crate::cpu::CpuModel {
     fn feed(&self, tokens: &[u32], cache: &mut crate::cpu::CpuCache) -> Vec<f32> {
         self.step(tokens, cache)
     }
-    fn feed_batch(&self, batch: &mut [(u32, &mut crate::cpu::CpuCache)]) -> Vec<Vec<f32>> {
-        self.step_batch(batch)
+    /// Always logits: on the CPU the sampler's argmax is as cheap as picking here.
+    fn feed_batch(&self, batch: &mut [(u32, &mut crate::cpu::CpuCache)], _pick: &[bool]) -> Vec<Next> {
+        self.step_batch(batch).into_iter().map(Next::Logits).collect()
     }
 }
 
@@ -199,8 +216,8 @@ pub struct Session<'m, M: Decoder> {
     /// Text of `generated` decoded so far and the part already handed out.
     text: String,
     delivered: usize,
-    /// Logits for the next token.
-    next_logits: Option<Vec<f32>>,
+    /// Logits for the next token, or the token where the model picked it.
+    next: Option<Next>,
     finished: Option<FinishReason>,
     pub prefill_ms: f64,
     /// Prompt tokens fed so far, and how many per prefill step.
@@ -266,8 +283,9 @@ impl<'m, M: Decoder> Session<'m, M> {
                 // Replaying generated tokens one decode step at a time repeats the straight
                 // run's arithmetic exactly, so the resumed stream is token-for-token the same.
                 Work::Decode(token) => {
-                    let logits = model.feed(&[token], &mut session.cache);
-                    session.fed(logits);
+                    let pick = session.picks_on_device();
+                    let next = model.feed_batch(&mut [(token, &mut session.cache)], &[pick]).pop().expect("one sequence fed");
+                    session.fed(next);
                 }
                 Work::Sample | Work::Finished => return Ok(session),
             }
@@ -329,7 +347,7 @@ impl<'m, M: Decoder> Session<'m, M> {
             ignore_eos: request.ignore_eos,
             text,
             delivered,
-            next_logits: None,
+            next: None,
             finished: None,
             prefill_ms: 0.0,
             prompt_fed: 0,
@@ -361,7 +379,12 @@ impl<'m, M: Decoder> Session<'m, M> {
         let Work::Prefill(range) = self.work() else { panic!("no prompt left to feed") };
         self.prefill_started.get_or_insert_with(Instant::now);
         let logits = self.model.feed(&self.prompt[range], &mut self.cache);
-        self.fed(logits);
+        self.fed(Next::Logits(logits));
+    }
+
+    /// Whether the model may pick this session's next tokens itself (greedy, no penalty).
+    pub(crate) fn picks_on_device(&self) -> bool {
+        self.sampler.is_plain_greedy()
     }
 
     /// The token a `Decode` step feeds and the cache it goes to.
@@ -372,8 +395,8 @@ impl<'m, M: Decoder> Session<'m, M> {
         }
     }
 
-    /// Takes the logits of the work just fed.
-    pub(crate) fn fed(&mut self, logits: Vec<f32>) {
+    /// Takes what the work just fed gave.
+    pub(crate) fn fed(&mut self, next: Next) {
         match self.work() {
             Work::Prefill(range) => self.prompt_fed = range.end,
             Work::Decode(_) if self.replayed < self.resumed => self.replayed += 1,
@@ -381,11 +404,11 @@ impl<'m, M: Decoder> Session<'m, M> {
             other => panic!("nothing was fed ({other:?})"),
         }
         if self.work() == Work::Sample {
-            if self.next_logits.is_none() && self.generated.len() == self.resumed {
+            if self.next.is_none() && self.generated.len() == self.resumed {
                 // The prompt and any checkpoint are in: the prefill ends here.
                 self.prefill_ms = self.prefill_started.map_or(0.0, |t| t.elapsed().as_secs_f64() * 1000.0);
             }
-            self.next_logits = Some(logits);
+            self.next = Some(next);
         }
     }
 
@@ -424,8 +447,10 @@ impl<'m, M: Decoder> Session<'m, M> {
         }
         let sampled = self.sample()?;
         if let Work::Decode(token) = self.work() {
-            let logits = self.model.feed(&[token], &mut self.cache);
-            self.fed(logits);
+            // The same decode step a batch takes, with one sequence.
+            let pick = self.picks_on_device();
+            let next = self.model.feed_batch(&mut [(token, &mut self.cache)], &[pick]).pop().expect("one sequence fed");
+            self.fed(next);
         }
         Ok(sampled)
     }
@@ -437,9 +462,13 @@ impl<'m, M: Decoder> Session<'m, M> {
         if self.finished.is_some() {
             return Ok(None);
         }
-        let mut logits = self.next_logits.take().expect("logits ready while not finished");
-        let context: Vec<u32> = self.prompt.iter().chain(&self.generated).copied().collect();
-        let token = self.sampler.sample(&mut logits, &context);
+        let token = match self.next.take().expect("logits ready while not finished") {
+            Next::Token(token) => token,
+            Next::Logits(mut logits) => {
+                let context: Vec<u32> = self.prompt.iter().chain(&self.generated).copied().collect();
+                self.sampler.sample(&mut logits, &context)
+            }
+        };
         if !self.ignore_eos && self.bundle.eos_ids.contains(&token) {
             self.finished = Some(FinishReason::Stop);
             // Whatever was held back for a possible stop string is final now.

@@ -27,11 +27,11 @@ pub use bundle::{resolve_model, ModelBundle, WeightFormat};
 pub use config::LlamaConfig;
 pub use generate::{
     generate, BurnCache, CancelToken, Checkpoint, Decoder, FinishReason, GenerateRequest, Generation, PromptInput,
-    PromptSource, Session, StreamEvent, TeacherForced, teacher_forced, Work,
+    Next, PromptSource, Session, StreamEvent, TeacherForced, teacher_forced, Work,
 };
 pub use batch::Batch;
 pub use cpu::{CpuModel, KvPrecision};
-pub use model::{KvCache, Llama, RopeTables};
+pub use model::{KvCache, Llama, Place, RopeTables};
 pub use sampler::{Sampler, SamplerState, SamplingParams};
 pub use template::{ChatMessage, ChatTemplate};
 

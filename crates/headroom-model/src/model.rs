@@ -6,9 +6,10 @@ use burn::module::{Module, Param};
 use burn::nn::{Embedding, Linear};
 use burn::tensor::activation::{silu, softmax};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Bool, Int, Tensor, TensorData};
+use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
 
 use crate::config::LlamaConfig;
+use crate::generate::Next;
 
 #[derive(Module, Debug)]
 pub struct RmsNorm<B: Backend> {
@@ -44,8 +45,25 @@ pub struct Mlp<B: Backend> {
 
 impl<B: Backend> Mlp<B> {
     fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let gate = silu(self.gate_proj.forward(x.clone()));
-        self.down_proj.forward(gate * self.up_proj.forward(x))
+        let gate = silu(project(&self.gate_proj, x.clone()));
+        project(&self.down_proj, gate * project(&self.up_proj, x))
+    }
+}
+
+/// `x·W + b` with `W` (and `b`) in the type they were loaded as, f16 or bf16 on a GPU: `x` is
+/// cast to it for the product and the product back to `x`'s type, so norms, RoPE, softmax and
+/// the residual stream stay f32.
+fn project<B: Backend>(layer: &Linear<B>, x: Tensor<B, 3>) -> Tensor<B, 3> {
+    let computed = x.dtype();
+    as_type(layer.forward(as_type(x, layer.weight.val().dtype())), computed)
+}
+
+/// `x` in `dtype`, not copied when it already is.
+fn as_type<B: Backend, const D: usize>(x: Tensor<B, D>, dtype: DType) -> Tensor<B, D> {
+    if x.dtype() == dtype {
+        x
+    } else {
+        x.cast(dtype)
     }
 }
 
@@ -154,37 +172,52 @@ impl<B: Backend> KvCache<B> {
     }
 }
 
-impl<B: Backend> Attention<B> {
-    fn forward(
-        &self,
-        x: Tensor<B, 3>,
-        rope: &RopeTables<B>,
-        start: usize,
-        mask: Option<&Tensor<B, 2, Bool>>,
-        cache: Option<&mut LayerCache<B>>,
-    ) -> Tensor<B, 3> {
-        let [batch, seq, _] = x.dims();
-        let (h, kvh, d) = (self.n_heads, self.n_kv_heads, self.head_dim);
-        let q = self
-            .q_proj
-            .forward(x.clone())
-            .reshape([batch, seq, h, d])
-            .swap_dims(1, 2);
-        let k = self
-            .k_proj
-            .forward(x.clone())
-            .reshape([batch, seq, kvh, d])
-            .swap_dims(1, 2);
-        let v = self
-            .v_proj
-            .forward(x)
-            .reshape([batch, seq, kvh, d])
-            .swap_dims(1, 2);
-        let q = rope.apply(q, start);
-        // Keys as `[batch, kv_heads, head_dim, seq]`: the layout q·kᵀ wants.
-        let k_t = rope.apply(k, start).swap_dims(2, 3);
+/// One sequence's place in a step through one layer: the RoPE table of its positions, where its
+/// new tokens start, its causal mask and (when decoding) its cache of that layer.
+struct Row<'a, B: Backend> {
+    rope: &'a RopeTables<B>,
+    start: usize,
+    mask: Option<&'a Tensor<B, 2, Bool>>,
+    cache: Option<&'a mut LayerCache<B>>,
+}
 
-        let (k_t, v) = match cache {
+impl<B: Backend> Attention<B> {
+    /// `rows` holds one row for the whole batch (training, or a lone sequence) or one per
+    /// sequence (a batched decode step). The projections read their weights once for the whole
+    /// batch either way; each sequence then attends over its own cache at its own position.
+    fn forward(&self, x: Tensor<B, 3>, rows: &mut [Row<'_, B>]) -> Tensor<B, 3> {
+        let q = project(&self.q_proj, x.clone());
+        let k = project(&self.k_proj, x.clone());
+        let v = project(&self.v_proj, x);
+        let out = match rows {
+            [row] => self.attend(q, k, v, row),
+            rows => {
+                assert_eq!(rows.len(), q.dims()[0], "one row per sequence of the batch");
+                let outs = rows
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(b, row)| self.attend(q.clone().narrow(0, b, 1), k.clone().narrow(0, b, 1), v.clone().narrow(0, b, 1), row))
+                    .collect();
+                Tensor::cat(outs, 0)
+            }
+        };
+        project(&self.o_proj, out)
+    }
+
+    /// Attention of projected queries, keys and values `[batch, seq, heads × head_dim]` that
+    /// share `row`'s positions and cache.
+    fn attend(&self, q: Tensor<B, 3>, k: Tensor<B, 3>, v: Tensor<B, 3>, row: &mut Row<'_, B>) -> Tensor<B, 3> {
+        let [batch, seq, _] = q.dims();
+        let (h, kvh, d) = (self.n_heads, self.n_kv_heads, self.head_dim);
+        let start = row.start;
+        let q = q.reshape([batch, seq, h, d]).swap_dims(1, 2);
+        let k = k.reshape([batch, seq, kvh, d]).swap_dims(1, 2);
+        let v = v.reshape([batch, seq, kvh, d]).swap_dims(1, 2);
+        let q = row.rope.apply(q, start);
+        // Keys as `[batch, kv_heads, head_dim, seq]`: the layout q·kᵀ wants.
+        let k_t = row.rope.apply(k, start).swap_dims(2, 3);
+
+        let (k_t, v) = match row.cache.as_deref_mut() {
             Some((k_cache, v_cache)) => {
                 let end = start + seq;
                 let new_k = k_cache
@@ -207,17 +240,16 @@ impl<B: Backend> Attention<B> {
         let rep = h / kvh;
         let q = q.reshape([batch, kvh, rep * seq, d]);
         let scores = q.matmul(k_t) * (1.0 / (d as f64).sqrt());
-        let scores = match mask {
+        let scores = match row.mask {
             Some(mask) => scores.mask_fill(mask.clone().unsqueeze::<4>(), f32::NEG_INFINITY),
             None => scores,
         };
         let probs = softmax(scores, 3);
-        let out = probs
+        probs
             .matmul(v)
             .reshape([batch, h, seq, d])
             .swap_dims(1, 2)
-            .reshape([batch, seq, h * d]);
-        self.o_proj.forward(out)
+            .reshape([batch, seq, h * d])
     }
 }
 
@@ -240,51 +272,63 @@ fn causal_mask<B: Backend>(
 }
 
 impl<B: Backend> DecoderLayer<B> {
-    fn forward(
-        &self,
-        x: Tensor<B, 3>,
-        rope: &RopeTables<B>,
-        start: usize,
-        mask: Option<&Tensor<B, 2, Bool>>,
-        cache: Option<&mut LayerCache<B>>,
-    ) -> Tensor<B, 3> {
-        let attn = self.self_attn.forward(
-            self.input_layernorm.forward(x.clone()),
-            rope,
-            start,
-            mask,
-            cache,
-        );
+    fn forward(&self, x: Tensor<B, 3>, rows: &mut [Row<'_, B>]) -> Tensor<B, 3> {
+        let attn = self.self_attn.forward(self.input_layernorm.forward(x.clone()), rows);
         let x = x + attn;
         let mlp = self.mlp.forward(self.post_attention_layernorm.forward(x.clone()));
         x + mlp
     }
 }
 
+/// Where one sequence stands at a step: the RoPE table of its positions, the position of its
+/// first new token, and its cache (none in training, where whole sequences start at 0).
+pub struct Place<'a, B: Backend> {
+    pub rope: &'a RopeTables<B>,
+    pub start: usize,
+    pub cache: Option<&'a mut KvCache<B>>,
+}
+
 impl<B: Backend> Llama<B> {
-    /// Hidden states after the final norm, `[batch, seq, hidden]`.
-    pub fn hidden(
-        &self,
-        tokens: Tensor<B, 2, Int>,
-        rope: &RopeTables<B>,
-        start: usize,
-        mut cache: Option<&mut KvCache<B>>,
-    ) -> Tensor<B, 3> {
+    /// Hidden states after the final norm, `[batch, seq, hidden]`. `places` holds one place
+    /// for the whole batch or one per sequence (each with its own position and cache).
+    pub fn hidden(&self, tokens: Tensor<B, 2, Int>, places: &mut [Place<'_, B>]) -> Tensor<B, 3> {
         let seq = tokens.dims()[1];
-        let mut x = self.embed_tokens.forward(tokens);
+        // The residual stream is f32 whatever type the embedding is stored in.
+        let mut x = as_type(self.embed_tokens.forward(tokens), DType::F32);
+        // Test-only: every sequence of a batch takes the first one's position (the defect that
+        // batching sequences of different lengths invites).
+        if places.len() > 1 && crate::test_defect("batch-positions") {
+            let first = places[0].start;
+            places.iter_mut().for_each(|p| p.start = first);
+        }
         // With a cache, attention spans its whole capacity, so unwritten slots are masked even
         // for a single new token; without one, only a multi-token sequence needs a mask.
-        let keys = cache.as_ref().map_or(seq, |c| c.capacity);
-        let mask = (keys > start + 1 || seq > 1).then(|| {
-            let attn = &self.layers[0].self_attn;
-            causal_mask::<B>(attn.n_heads / attn.n_kv_heads, seq, start, keys, &x.device())
-        });
+        let attn = &self.layers[0].self_attn;
+        let masks: Vec<Option<Tensor<B, 2, Bool>>> = places
+            .iter()
+            .map(|place| {
+                let keys = place.cache.as_ref().map_or(seq, |c| c.capacity);
+                (keys > place.start + 1 || seq > 1)
+                    .then(|| causal_mask::<B>(attn.n_heads / attn.n_kv_heads, seq, place.start, keys, &x.device()))
+            })
+            .collect();
         for (i, layer) in self.layers.iter().enumerate() {
-            let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            x = layer.forward(x, rope, start, mask.as_ref(), layer_cache);
+            let mut rows: Vec<Row<'_, B>> = places
+                .iter_mut()
+                .zip(&masks)
+                .map(|(place, mask)| Row {
+                    rope: place.rope,
+                    start: place.start,
+                    mask: mask.as_ref(),
+                    cache: place.cache.as_deref_mut().map(|c| &mut c.layers[i]),
+                })
+                .collect();
+            x = layer.forward(x, &mut rows);
         }
-        if let Some(cache) = cache {
-            cache.len = start + seq;
+        for place in places.iter_mut() {
+            if let Some(cache) = place.cache.as_deref_mut() {
+                cache.len = place.start + seq;
+            }
         }
         self.norm.forward(x)
     }
@@ -292,41 +336,84 @@ impl<B: Backend> Llama<B> {
     /// Vocabulary logits for hidden states `[batch, seq, hidden]`.
     pub fn logits(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
         match &self.lm_head {
-            Some(head) => head.forward(hidden),
+            Some(head) => project(head, hidden),
             None => {
                 // E·hᵀ rather than h·Eᵀ: the embedding `[vocab, hidden]` is used as stored, so
                 // no `[hidden, vocab]` copy of it is made per call (for one token hᵀ is free).
                 let [batch, seq, dim] = hidden.dims();
                 let weight = self.embed_tokens.weight.val();
-                let vocab = weight.dims()[0];
-                weight
-                    .matmul(hidden.reshape([batch * seq, dim]).transpose())
-                    .transpose()
-                    .reshape([batch, seq, vocab])
+                let (vocab, computed) = (weight.dims()[0], hidden.dtype());
+                let hidden = as_type(hidden.reshape([batch * seq, dim]), weight.dtype());
+                as_type(weight.matmul(hidden.transpose()).transpose().reshape([batch, seq, vocab]), computed)
             }
         }
     }
 
     /// Logits for every position: what training needs.
     pub fn forward(&self, tokens: Tensor<B, 2, Int>, rope: &RopeTables<B>) -> Tensor<B, 3> {
-        self.logits(self.hidden(tokens, rope, 0, None))
+        self.logits(self.hidden(tokens, &mut [Place { rope, start: 0, cache: None }]))
     }
 
     /// Feeds `tokens` (one sequence) at position `cache.len` and returns the logits of the last.
     /// (The CPU workers run [`crate::cpu::CpuModel`]; this is the GPU path and the reference.)
     pub fn step(&self, tokens: &[u32], rope: &RopeTables<B>, cache: &mut KvCache<B>) -> Vec<f32> {
-        let device = self.embed_tokens.weight.device();
-        let ids: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
-        let seq = ids.len();
-        let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, seq]), &device);
         let start = cache.len;
-        let hidden = self.hidden(input, rope, start, Some(cache));
-        let last = hidden.narrow(1, seq - 1, 1);
-        let logits = self.logits(last);
-        logits
-            .into_data()
-            .convert::<f32>()
-            .into_vec::<f32>()
-            .expect("logits are f32 after convert")
+        match self.last(&[tokens], &mut [Place { rope, start, cache: Some(cache) }], &[false]).pop() {
+            Some(Next::Logits(logits)) => logits,
+            _ => unreachable!("logits were asked for"),
+        }
+    }
+
+    /// Feeds one token to each of several sequences, each at its own cache's position, in one
+    /// pass: every weight is read once for the whole batch. Gives each sequence its logits, or,
+    /// where `pick`, its most likely token, chosen on the device.
+    pub fn step_batch(&self, batch: &mut [(u32, &RopeTables<B>, &mut KvCache<B>)], pick: &[bool]) -> Vec<Next> {
+        let tokens: Vec<[u32; 1]> = batch.iter().map(|(token, _, _)| [*token]).collect();
+        let tokens: Vec<&[u32]> = tokens.iter().map(|t| &t[..]).collect();
+        let mut places: Vec<Place<'_, B>> =
+            batch.iter_mut().map(|(_, rope, cache)| Place { rope: *rope, start: cache.len, cache: Some(&mut **cache) }).collect();
+        self.last(&tokens, &mut places, pick)
+    }
+
+    /// Runs sequences of equal length (one per place) and gives, for each one's last token, the
+    /// logits or (where `pick`) the argmax. Picked tokens come back from the device in one
+    /// transfer, the other sequences' logits in another.
+    fn last(&self, tokens: &[&[u32]], places: &mut [Place<'_, B>], pick: &[bool]) -> Vec<Next> {
+        let device = self.embed_tokens.weight.device();
+        let (batch, seq) = (tokens.len(), tokens[0].len());
+        assert!(tokens.iter().all(|t| t.len() == seq), "sequences of a step have equal lengths");
+        assert_eq!(pick.len(), batch, "one pick flag per sequence");
+        let ids: Vec<i64> = tokens.iter().flat_map(|t| t.iter().map(|&id| id as i64)).collect();
+        let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [batch, seq]), &device);
+        let hidden = self.hidden(input, places);
+        let logits = self.logits(hidden.narrow(1, seq - 1, 1));
+        let vocab = logits.dims()[2];
+        let logits: Tensor<B, 2> = logits.reshape([batch, vocab]);
+        let mut picked = if pick.iter().any(|&p| p) {
+            let ids = logits.clone().argmax(1).into_data().convert::<i64>().into_vec::<i64>().expect("ids are i64 after convert");
+            // Test-only: every sequence gets the first one's token.
+            if crate::test_defect("device-pick-first-row") {
+                vec![ids[0]; batch]
+            } else {
+                ids
+            }
+        } else {
+            Vec::new()
+        };
+        let wanted: Vec<i64> = (0..batch).filter(|&i| !pick[i]).map(|i| i as i64).collect();
+        let mut rows = Vec::new();
+        if !wanted.is_empty() {
+            let all = wanted.len() == batch;
+            let index = Tensor::<B, 1, Int>::from_data(TensorData::new(wanted.clone(), [wanted.len()]), &device);
+            let logits = if all { logits } else { logits.select(0, index) };
+            rows = logits.into_data().convert::<f32>().into_vec::<f32>().expect("logits are f32 after convert");
+        }
+        let mut rows = rows.chunks_exact(vocab);
+        (0..batch)
+            .map(|i| match pick[i] {
+                true => Next::Token(std::mem::take(&mut picked[i]) as u32),
+                false => Next::Logits(rows.next().expect("a row per unpicked sequence").to_vec()),
+            })
+            .collect()
     }
 }

@@ -75,6 +75,12 @@ impl Sampler {
         Self { params, rng }
     }
 
+    /// Greedy with no penalty: the next token is the logits' argmax, which a GPU can pick
+    /// without handing the logits to the host (no random draw is used, so the state is kept).
+    pub fn is_plain_greedy(&self) -> bool {
+        self.params.temperature == 0.0 && self.params.repetition_penalty == 1.0
+    }
+
     pub fn from_state(state: &SamplerState) -> Result<Self> {
         let pos: u128 = state
             .rng_word_pos

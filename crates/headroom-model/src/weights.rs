@@ -1,5 +1,6 @@
 //! Moving weights between Hugging Face safetensors (names and `[out, in]` layout of
-//! `transformers`) and the burn modules of [`crate::model`]. bf16/f16 become f32 on load.
+//! `transformers`) and the burn modules of [`crate::model`]. bf16/f16 are read as f32, then stored in
+//! the type the matrices are loaded in (f32, or f16/bf16 on a GPU).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -7,7 +8,7 @@ use std::path::{Path, PathBuf};
 use burn::module::Param;
 use burn::nn::{Embedding, Initializer, Linear, LinearConfig};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData};
 use safetensors::{Dtype, SafeTensors};
 
 use crate::config::LlamaConfig;
@@ -185,13 +186,13 @@ fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     out
 }
 
-fn param2<B: Backend>(values: Vec<f32>, shape: [usize; 2], device: &B::Device) -> Param<Tensor<B, 2>> {
-    Param::from_tensor(Tensor::from_data(TensorData::new(values, shape), device))
+fn param2<B: Backend>(values: Vec<f32>, shape: [usize; 2], dtype: DType, device: &B::Device) -> Param<Tensor<B, 2>> {
+    Param::from_tensor(Tensor::from_data(TensorData::new(values, shape), (device, dtype)))
 }
 
-fn param1<B: Backend>(values: Vec<f32>, device: &B::Device) -> Param<Tensor<B, 1>> {
+fn param1<B: Backend>(values: Vec<f32>, dtype: DType, device: &B::Device) -> Param<Tensor<B, 1>> {
     let len = values.len();
-    Param::from_tensor(Tensor::from_data(TensorData::new(values, [len]), device))
+    Param::from_tensor(Tensor::from_data(TensorData::new(values, [len]), (device, dtype)))
 }
 
 /// A linear layer from a Hugging Face `[out, in]` weight (burn stores `[in, out]`).
@@ -201,12 +202,14 @@ fn load_linear<B: Backend>(
     d_in: usize,
     d_out: usize,
     bias: bool,
+    dtype: DType,
     device: &B::Device,
 ) -> Result<Linear<B>> {
     let weight = files.read_shaped(&format!("{prefix}.weight"), &[d_out, d_in])?;
-    let weight = param2(transpose(&weight, d_out, d_in), [d_in, d_out], device);
+    let weight = param2(transpose(&weight, d_out, d_in), [d_in, d_out], dtype, device);
+    // The bias is added to the product, which comes out in the weight's type.
     let bias = if bias {
-        Some(param1(files.read_shaped(&format!("{prefix}.bias"), &[d_out])?, device))
+        Some(param1(files.read_shaped(&format!("{prefix}.bias"), &[d_out])?, dtype, device))
     } else {
         None
     };
@@ -220,25 +223,30 @@ fn load_norm<B: Backend>(
     device: &B::Device,
 ) -> Result<RmsNorm<B>> {
     Ok(RmsNorm {
-        weight: param1(files.read_shaped(name, &[config.hidden_size])?, device),
+        weight: param1(files.read_shaped(name, &[config.hidden_size])?, DType::F32, device),
         eps: config.rms_norm_eps,
     })
 }
 
-/// Builds the model from a folder's weights, checking every shape against `config`.
+/// Builds the model from a folder's weights, checking every shape against `config`. The
+/// matrices and the embedding are stored as `matrices` (f32, or f16/bf16 on a GPU, which halves
+/// what a decode step reads); the norms stay f32.
 pub fn load_llama<B: Backend>(
     files: &impl TensorSource,
     config: &LlamaConfig,
+    matrices: DType,
     device: &B::Device,
     mut on_layer: impl FnMut(usize, usize),
 ) -> Result<Llama<B>> {
+    // Test-only: the type asked for is ignored, as before GPUs held 16-bit matrices.
+    let matrices = if crate::test_defect("matrices-f32") { DType::F32 } else { matrices };
     let h = config.hidden_size;
     let (nh, kvh, d) = (config.num_attention_heads, config.kv_heads(), config.head_dim());
     let inter = config.intermediate_size;
     let bias = config.has_qkv_bias();
     let embed = files.read_shaped("model.embed_tokens.weight", &[config.vocab_size, h])?;
     let embed_tokens = Embedding {
-        weight: param2(embed, [config.vocab_size, h], device),
+        weight: param2(embed, [config.vocab_size, h], matrices, device),
     };
     let mut layers = Vec::with_capacity(config.num_hidden_layers);
     for i in 0..config.num_hidden_layers {
@@ -246,10 +254,10 @@ pub fn load_llama<B: Backend>(
         layers.push(DecoderLayer {
             input_layernorm: load_norm(files, &format!("{p}.input_layernorm.weight"), config, device)?,
             self_attn: Attention {
-                q_proj: load_linear(files, &format!("{p}.self_attn.q_proj"), h, nh * d, bias, device)?,
-                k_proj: load_linear(files, &format!("{p}.self_attn.k_proj"), h, kvh * d, bias, device)?,
-                v_proj: load_linear(files, &format!("{p}.self_attn.v_proj"), h, kvh * d, bias, device)?,
-                o_proj: load_linear(files, &format!("{p}.self_attn.o_proj"), nh * d, h, false, device)?,
+                q_proj: load_linear(files, &format!("{p}.self_attn.q_proj"), h, nh * d, bias, matrices, device)?,
+                k_proj: load_linear(files, &format!("{p}.self_attn.k_proj"), h, kvh * d, bias, matrices, device)?,
+                v_proj: load_linear(files, &format!("{p}.self_attn.v_proj"), h, kvh * d, bias, matrices, device)?,
+                o_proj: load_linear(files, &format!("{p}.self_attn.o_proj"), nh * d, h, false, matrices, device)?,
                 n_heads: nh,
                 n_kv_heads: kvh,
                 head_dim: d,
@@ -261,9 +269,9 @@ pub fn load_llama<B: Backend>(
                 device,
             )?,
             mlp: Mlp {
-                gate_proj: load_linear(files, &format!("{p}.mlp.gate_proj"), h, inter, false, device)?,
-                up_proj: load_linear(files, &format!("{p}.mlp.up_proj"), h, inter, false, device)?,
-                down_proj: load_linear(files, &format!("{p}.mlp.down_proj"), inter, h, false, device)?,
+                gate_proj: load_linear(files, &format!("{p}.mlp.gate_proj"), h, inter, false, matrices, device)?,
+                up_proj: load_linear(files, &format!("{p}.mlp.up_proj"), h, inter, false, matrices, device)?,
+                down_proj: load_linear(files, &format!("{p}.mlp.down_proj"), inter, h, false, matrices, device)?,
             },
         });
         on_layer(i + 1, config.num_hidden_layers);
@@ -273,7 +281,7 @@ pub fn load_llama<B: Backend>(
     let lm_head = if config.tie_word_embeddings {
         None
     } else {
-        Some(load_linear(files, "lm_head", h, config.vocab_size, false, device)?)
+        Some(load_linear(files, "lm_head", h, config.vocab_size, false, matrices, device)?)
     };
     Ok(Llama {
         embed_tokens,

@@ -8,7 +8,7 @@ use std::path::Path;
 use headroom_model::batch::generate_together;
 use headroom_model::fixture::{tiny_config, write_gguf_from_folder, write_random_folder, write_random_packed_gguf};
 use headroom_model::quants::GgmlType;
-use headroom_model::{generate, CancelToken, Decoder, GenerateRequest, LlamaConfig, ModelBundle, SamplingParams, StoreDtype};
+use headroom_model::{generate, CancelToken, CpuBackend, Decoder, GenerateRequest, Llama, LlamaConfig, ModelBundle, Next, SamplingParams, StoreDtype};
 
 /// Hidden sizes that are whole K-quant super-blocks (256).
 fn packed_config() -> LlamaConfig {
@@ -71,9 +71,10 @@ fn batched_decode_steps_equal_lone_steps_exactly() {
                     batch.push((token(s, step_of[s]), cache));
                 }
             }
-            let logits = model.feed_batch(&mut batch);
+            let pick = vec![false; batch.len()];
+            let logits = model.feed_batch(&mut batch, &pick);
             for (&s, got) in members.iter().zip(&logits) {
-                let want = &alone[s][step_of[s]];
+                let want = &Next::Logits(alone[s][step_of[s]].clone());
                 assert!(got == want, "{ty}: sequence {s} step {}: batched logits differ from its lone step (batch of {})", step_of[s], members.len());
                 step_of[s] += 1;
             }
@@ -86,9 +87,15 @@ fn batched_decode_steps_equal_lone_steps_exactly() {
 /// step's (the K-quants and floats through the prefill tiles instead of the row kernels; repacked
 /// Q4_0, Q4_1 and Q8_0 blocks added last to first) and asserts that it fails saying `says`.
 fn fails_with_tiles_in_batches(test: &str, says: &str) {
+    fails_with_defect(test, "batch-tiles", says)
+}
+
+/// Runs `test` of this binary with the test-only `defect` switched on and asserts that it fails
+/// saying `says`.
+fn fails_with_defect(test: &str, defect: &str, says: &str) {
     let output = std::process::Command::new(std::env::current_exe().unwrap())
         .args(["--exact", test, "--test-threads", "1"])
-        .env("HEADROOM_TEST_DEFECT", "batch-tiles")
+        .env("HEADROOM_TEST_DEFECT", defect)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
@@ -188,4 +195,106 @@ fn the_default_model_check_fails_with_tiles_in_batches() {
     if controls_apply(true) && default_model().is_some() {
         fails_with_tiles_in_batches("the_default_model_gives_the_same_tokens_alone_and_in_a_batch_of_four", "tokens alone vs in a batch");
     }
+}
+
+/// The burn decoder (the CUDA path) batches decode steps too: the same four sequences at
+/// different positions and a fifth joining late, fed one token each per batched step, get the
+/// logits each gets alone and the same greedy token. (To float rounding: a GPU's matrix product
+/// of several rows need not sum in a lone row's order.) Every other sequence, alternating by
+/// step, has its token picked on the device instead: it is its lone logits' argmax.
+#[test]
+fn burn_batched_decode_steps_equal_lone_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    write_random_folder(dir.path(), &packed_config(), 9, StoreDtype::F32).unwrap();
+    let bundle = ModelBundle::open(dir.path()).unwrap();
+    let model: Llama<CpuBackend> = bundle.load(&Default::default(), |_, _| {}).unwrap();
+    let vocab = bundle.config.vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = [1usize, 3, 7, 19, 5].iter().map(|&n| (0..n as u32).map(|i| (i * 37 + n as u32) % vocab).collect()).collect();
+    let steps = 8;
+    let token = |s: usize, i: usize| ((s * 131 + i * 17 + 3) as u32) % vocab;
+    let alone: Vec<Vec<Vec<f32>>> = prompts
+        .iter()
+        .enumerate()
+        .map(|(s, prompt)| {
+            let mut cache = Decoder::new_cache(&model, &bundle.config, prompt.len() + steps);
+            model.feed(prompt, &mut cache);
+            (0..steps).map(|i| model.feed(&[token(s, i)], &mut cache)).collect()
+        })
+        .collect();
+    let argmax = |v: &[f32]| v.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0;
+    let mut caches: Vec<_> = prompts.iter().map(|p| Decoder::new_cache(&model, &bundle.config, p.len() + steps)).collect();
+    let mut step_of = vec![0usize; prompts.len()];
+    for (s, prompt) in prompts.iter().enumerate().take(4) {
+        model.feed(prompt, &mut caches[s]);
+    }
+    for round in 0..steps + 3 {
+        if round == 3 {
+            model.feed(&prompts[4], &mut caches[4]);
+        }
+        let members: Vec<usize> = (0..prompts.len()).filter(|&s| (s < 4 || round >= 3) && step_of[s] < steps).collect();
+        let mut batch: Vec<(u32, &mut _)> = Vec::new();
+        for (s, cache) in caches.iter_mut().enumerate() {
+            if members.contains(&s) {
+                batch.push((token(s, step_of[s]), cache));
+            }
+        }
+        let pick: Vec<bool> = members.iter().map(|&s| (s + round) % 2 == 0).collect();
+        let next = model.feed_batch(&mut batch, &pick);
+        for (&s, got) in members.iter().zip(&next) {
+            let want = &alone[s][step_of[s]];
+            match got {
+                Next::Logits(got) => {
+                    let diff = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+                    assert!(
+                        diff < 1e-4 && argmax(got) == argmax(want),
+                        "sequence {s} step {}: batched logits differ from its lone step by {diff} (batch of {})",
+                        step_of[s],
+                        members.len()
+                    );
+                }
+                &Next::Token(got) => assert_eq!(
+                    got as usize,
+                    argmax(want),
+                    "sequence {s} step {}: the token picked on the device is not its lone logits' argmax (batch of {})",
+                    step_of[s],
+                    members.len()
+                ),
+            }
+            step_of[s] += 1;
+        }
+    }
+    assert!(step_of.iter().all(|&n| n == steps));
+}
+
+/// Its negative control: with every sequence of a batch at the first one's position, it fails.
+#[test]
+fn burn_batched_decode_fails_with_shared_positions() {
+    if std::env::var_os("HEADROOM_TEST_DEFECT").is_none() {
+        fails_with_defect("burn_batched_decode_steps_equal_lone_steps", "batch-positions", "batched logits differ");
+    }
+}
+
+/// Its negative control for picking: with every sequence given the first one's picked token,
+/// it fails.
+#[test]
+fn burn_batched_decode_fails_with_tokens_picked_from_one_row() {
+    if std::env::var_os("HEADROOM_TEST_DEFECT").is_none() {
+        fails_with_defect("burn_batched_decode_steps_equal_lone_steps", "device-pick-first-row", "picked on the device is not");
+    }
+}
+
+/// Whole requests through the batch scheduler on the burn decoder give the tokens they give
+/// alone.
+#[test]
+fn burn_requests_give_the_same_tokens_alone_and_in_a_batch_of_four() {
+    let dir = tempfile::tempdir().unwrap();
+    write_random_folder(dir.path(), &packed_config(), 9, StoreDtype::F32).unwrap();
+    let bundle = ModelBundle::open(dir.path()).unwrap();
+    let model: Llama<CpuBackend> = bundle.load(&Default::default(), |_, _| {}).unwrap();
+    let vocab = bundle.config.vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = [3usize, 9, 21, 1].iter().map(|&n| (0..n as u32).map(|i| (i * 53 + 11 * n as u32) % vocab).collect()).collect();
+    let requests = requests(&bundle, &prompts);
+    let alone: Vec<Vec<u32>> = requests.iter().map(|r| generate(&model, &bundle, r, &CancelToken::new(), |_| {}).unwrap().tokens).collect();
+    let together = generate_together(&model, &bundle, &requests).unwrap();
+    assert_eq!(alone, together, "tokens alone vs in a batch of {}", requests.len());
 }

@@ -301,3 +301,67 @@ fn scripted_folder_answers_its_script_for_any_chat_prompt() {
         assert_eq!(out.finish_reason, headroom_model::FinishReason::Stop);
     }
 }
+
+/// The matrices and embedding of the burn model (the CUDA path) load in the type asked for —
+/// f16 or bf16 on a GPU — while norms and activations stay f32, and the model's logits are the
+/// f32 model's. ndarray has no 16-bit floats, so f64 matrices stand in for them here: the casts
+/// around every product, the embedding and the tied and untied heads run the same way.
+#[test]
+fn matrices_load_in_the_type_asked_for_and_give_the_f32_logits() {
+    use burn::tensor::DType;
+    for tied in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let config = headroom_model::LlamaConfig { tie_word_embeddings: tied, ..tiny_config() };
+        write_random_folder(dir.path(), &config, 42, StoreDtype::F32).unwrap();
+        let bundle = ModelBundle::open(dir.path()).unwrap();
+        let device = Default::default();
+        let reference = bundle.load::<B>(&device, |_, _| {}).unwrap();
+        let wide = bundle.load_as::<B>(&device, DType::F64, |_, _| {}).unwrap();
+        let layer = &wide.layers[0];
+        let mut matrices = vec![wide.embed_tokens.weight.val().dtype(), layer.self_attn.q_proj.weight.val().dtype(), layer.mlp.down_proj.weight.val().dtype()];
+        matrices.extend(wide.lm_head.as_ref().map(|h| h.weight.val().dtype()));
+        assert!(matrices.iter().all(|&d| d == DType::F64), "tied {tied}: matrices loaded as {matrices:?}, not the F64 asked for");
+        assert_eq!(layer.input_layernorm.weight.val().dtype(), DType::F32, "norms stay f32");
+        // What admission counts for a GPU's weights is what the loaded model holds.
+        let bytes = |t: burn::tensor::Tensor<B, 2>| (t.shape().num_elements() * t.dtype().size()) as u64;
+        let norm_bytes = |n: &headroom_model::model::RmsNorm<B>| (n.weight.val().shape().num_elements() * 4) as u64;
+        let mut held = bytes(wide.embed_tokens.weight.val()) + norm_bytes(&wide.norm);
+        held += wide.lm_head.as_ref().map_or(0, |h| bytes(h.weight.val()));
+        for l in &wide.layers {
+            let a = &l.self_attn;
+            for linear in [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj, &l.mlp.gate_proj, &l.mlp.up_proj, &l.mlp.down_proj] {
+                held += bytes(linear.weight.val());
+            }
+            held += norm_bytes(&l.input_layernorm) + norm_bytes(&l.post_attention_layernorm);
+        }
+        assert_eq!(bundle.weight_bytes_as(DType::F64), held, "tied {tied}: predicted weight bytes");
+
+        let tokens = prompt(&bundle);
+        let rope = RopeTables::<B>::new(&bundle.config, tokens.len() + 1, &device);
+        let logits = |m: &Llama<B>| {
+            let mut cache = headroom_model::KvCache::new(&bundle.config, tokens.len() + 1, &device);
+            let mut out = m.step(&tokens, &rope, &mut cache);
+            out.extend(m.step(&[7], &rope, &mut cache));
+            out
+        };
+        let (want, got) = (logits(&reference), logits(&wide));
+        let max_diff = want.iter().zip(&got).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(max_diff < 1e-3, "tied {tied}: logits with f64 matrices differ from f32 by {max_diff}");
+    }
+}
+
+/// Its negative control: with the requested type ignored (matrices loaded as f32, as before
+/// GPUs got 16-bit weights) the check fails.
+#[test]
+fn the_matrix_type_check_fails_when_the_type_is_ignored() {
+    if std::env::var_os("HEADROOM_TEST_DEFECT").is_some() {
+        return;
+    }
+    let output = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "matrices_load_in_the_type_asked_for_and_give_the_f32_logits", "--test-threads", "1"])
+        .env("HEADROOM_TEST_DEFECT", "matrices-f32")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(!output.status.success() && stdout.contains("not the F64 asked for"), "with the defect the check still passed: {stdout}");
+}

@@ -225,13 +225,20 @@ impl State {
                 Device::Cuda(index) => {
                     crate::kernel_cache::configure();
                     let device = burn_cuda::CudaDevice::new(index as usize);
-                    let model = bundle.load(&device, |_, _| {})?;
+                    let model = bundle.load_as(&device, bundle.gpu_matrix_dtype(), |_, _| {})?;
                     // Compile (or fetch from the kernel cache) the prefill and decode kernels now,
                     // under the load timeout, so the first request and the breaker's restore
                     // probe do not wait for the compiler.
+                    // A batched step has its own shapes (`[n, 1, hidden]` for n sequences), so
+                    // every batch size up to the worker's concurrency is run once as well.
                     let started = Instant::now();
-                    headroom_model::generate(&model, bundle, &warm_up_request(bundle)?, &CancelToken::new(), |_| {})?;
-                    tracing::info!(ms = started.elapsed().as_millis() as u64, "CUDA kernels warmed up");
+                    let request = warm_up_request(bundle)?;
+                    headroom_model::generate(&model, bundle, &request, &CancelToken::new(), |_| {})?;
+                    let requests = vec![request; self.options.max_concurrency as usize];
+                    for n in 2..=requests.len() {
+                        headroom_model::batch::generate_together(&model, bundle, &requests[..n])?;
+                    }
+                    tracing::info!(ms = started.elapsed().as_millis() as u64, batch_sizes = requests.len(), "CUDA kernels warmed up");
                     Ok(Engine::Cuda(model, device))
                 }
                 #[cfg(not(feature = "cuda"))]
@@ -292,8 +299,11 @@ impl State {
         let weights_bytes = loaded
             .as_ref()
             .map(|l| match (&l.engine, self.options.device) {
-                // The CPU engine holds the file's packed bytes; the sim GPU models a GPU's f32.
+                // The CPU engine holds the file's packed bytes, CUDA 16-bit matrices; the sim
+                // GPU models f32 weights.
                 (Engine::Cpu(model), Device::Cpu) => model.weight_bytes() as u64,
+                #[cfg(feature = "cuda")]
+                (Engine::Cuda(..), _) => l.bundle.gpu_weight_bytes(),
                 _ => headroom_memory::ModelShape::from_config(&l.bundle.config).weights_bytes(),
             })
             .unwrap_or(0);
