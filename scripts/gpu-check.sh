@@ -11,6 +11,9 @@
 #   run load: faults at full load (scripts/gpu_load_check.py): a burst on a cold kernel cache,
 #          kill -9 of the GPU worker and a real competing allocation, each with the GPU's slots
 #          full and requests queued behind them.
+#   run bench: the batching and 16-bit-weight figures only (headroom-bench --cuda --only-cuda):
+#          the random ~100M and ~1.24B models at 1, 2, 4 and 8 sequences, each beside its
+#          bandwidth bound.
 #          Everything lands in $OUT (log.txt, bench.json, serve.json).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +60,13 @@ echo "nvrtc: $nvrtc; CUDA_PATH=${CUDA_PATH:-unset}"
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
 export HEADROOM_DEFAULT_MODEL=$PWD/models/kjv-demo
 prompt="And God said, Let there be light: and there was light."
+
+if [ "${2:-all}" = bench ]; then
+step "bench: headroom on cuda, ~100M and ~1.24B random models, 1-8 sequences, bandwidth bounds"
+timeout 420 headroom-bench --runs 2 --cuda --only-cuda --random-1b --json "$OUT/bench-cuda.json"
+step done
+exit 0
+fi
 
 if [ "${2:-all}" = load ]; then
 step "faults at full load: serve --gpu cuda, cold kernel cache"

@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor as CTensor};
 use candle_nn::VarBuilder;
 use clap::Parser;
-use headroom_model::fixture::{config_100m, write_random_folder};
+use headroom_model::fixture::{config_100m, config_1b, write_random_folder};
 use headroom_model::sampler::argmax;
 use headroom_model::{
     generate, CancelToken, GenerateRequest, ModelBundle, SamplingParams, StoreDtype,
@@ -31,6 +31,14 @@ struct Args {
     /// Skip the ~100M-parameter random model.
     #[arg(long)]
     skip_100m: bool,
+    /// Also write and run a random ~1.24B-parameter model in Llama 3.2 1B's shape, stored f16
+    /// (the GPU's bandwidth target; about 2.5 GB written to a temporary folder).
+    #[arg(long)]
+    random_1b: bool,
+    /// Run Headroom on CUDA only: no CPU engine, no candle (with --cuda; for models too slow to
+    /// run on the CPU in a device's time).
+    #[arg(long, requires = "cuda")]
+    only_cuda: bool,
     #[arg(long)]
     json: Option<PathBuf>,
     /// Also run Headroom's engine on CUDA device 0 (needs the `cuda` feature and a driver) and
@@ -111,8 +119,25 @@ fn run_headroom<M: headroom_model::Decoder>(
     })
 }
 
-/// One line per engine: aggregate decode tokens/s at each sequence count, and its ratio to one.
-fn print_concurrent(label: &str, run: &EngineRun) {
+/// What memory bandwidth allows a decode step that reads every weight once.
+#[derive(Debug, Clone, serde::Serialize)]
+struct BandwidthBound {
+    weight_bytes: u64,
+    bytes_per_s: f64,
+    /// Where the bandwidth figure comes from.
+    source: &'static str,
+}
+
+impl BandwidthBound {
+    /// Steps per second at that bandwidth: one sequence's tokens/s, and a batch's steps/s.
+    fn steps_per_s(&self) -> f64 {
+        self.bytes_per_s / self.weight_bytes as f64
+    }
+}
+
+/// One line per engine: aggregate decode tokens/s at each sequence count, and its ratio to one;
+/// then the bandwidth bound of one sequence.
+fn print_concurrent(label: &str, run: &EngineRun, bound: &BandwidthBound) {
     if run.concurrent.is_empty() {
         return;
     }
@@ -126,6 +151,14 @@ fn print_concurrent(label: &str, run: &EngineRun) {
         })
         .collect();
     println!("  {label} decode, sequences together: {}", cells.join(", "));
+    println!(
+        "  {label} bandwidth bound: {:.1} tok/s for one sequence ({:.1} MB of weights per step at {:.1} GB/s, {}); one sequence at {:.1}% of it",
+        bound.steps_per_s(),
+        bound.weight_bytes as f64 / 1e6,
+        bound.bytes_per_s / 1e9,
+        bound.source,
+        100.0 * run.decode_tok_s / bound.steps_per_s()
+    );
 }
 
 /// How many greedy tokens two runs share before they first differ.
@@ -138,7 +171,7 @@ fn run_cuda(bundle: &ModelBundle, prompt: &[u32], decode: usize, runs: usize, co
     if let headroom_model::device::CudaProbe::Unavailable { reason } = headroom_model::device::probe_cuda() {
         anyhow::bail!("--cuda: {reason}");
     }
-    let model = bundle.load::<burn_cuda::Cuda<f32>>(&burn_cuda::CudaDevice::new(0), |_, _| {})?;
+    let model = bundle.load_as::<burn_cuda::Cuda<f32>>(&burn_cuda::CudaDevice::new(0), bundle.gpu_matrix_dtype(), |_, _| {})?;
     run_headroom(&model, bundle, prompt, decode, runs, concurrency)
 }
 
@@ -189,6 +222,51 @@ fn run_candle(dir: &Path, prompt: &[u32], decode: usize, runs: usize) -> Result<
     })
 }
 
+/// Headroom's CPU engine and candle on one model: prints their line and the CPU engine's
+/// concurrency and bandwidth lines, adds them to `report`, and gives the CPU engine's run.
+fn run_cpu_engines(
+    bundle: &ModelBundle,
+    dir: &Path,
+    name: &str,
+    prompt: &[u32],
+    args: &Args,
+    host_bandwidth: f64,
+    report: &mut Vec<serde_json::Value>,
+) -> Result<EngineRun> {
+    let cpu_model = bundle.load_cpu(|_, _| {})?;
+    let ours = run_headroom(&cpu_model, bundle, prompt, args.decode_tokens, args.runs, &args.concurrency)?;
+    let cpu_bound = BandwidthBound { weight_bytes: cpu_model.weight_bytes() as u64, bytes_per_s: host_bandwidth, source: "host reads, measured" };
+    drop(cpu_model);
+    let theirs = run_candle(dir, prompt, args.decode_tokens, args.runs)?;
+    let agree = agreeing(&ours.tokens, &theirs.tokens);
+    println!(
+        "{:<26} {:>10} {:>14.1} {:>14.1} {:>14.1} {:>14.1} {:>9.2} {:>9.2} {:>5}/{}",
+        name,
+        bundle.config.parameter_count(),
+        ours.prefill_tok_s,
+        theirs.prefill_tok_s,
+        ours.decode_tok_s,
+        theirs.decode_tok_s,
+        ours.prefill_tok_s / theirs.prefill_tok_s,
+        ours.decode_tok_s / theirs.decode_tok_s,
+        agree,
+        args.decode_tokens
+    );
+    print_concurrent("headroom cpu", &ours, &cpu_bound);
+    report.push(serde_json::json!({
+        "model": name,
+        "cpu_bandwidth_bound": cpu_bound,
+        "parameters": bundle.config.parameter_count(),
+        "headroom": ours,
+        "candle": theirs,
+        "prefill_ratio": ours.prefill_tok_s / theirs.prefill_tok_s,
+        "decode_ratio": ours.decode_tok_s / theirs.decode_tok_s,
+        "greedy_tokens_agreeing": agree,
+        "blas": cfg!(feature = "blas"),
+    }));
+    Ok(ours)
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     let mut folders: Vec<(String, PathBuf)> = Vec::new();
@@ -202,6 +280,12 @@ fn main() -> Result<()> {
         eprintln!("writing a random-weight ~100M-parameter Llama to {}", dir.display());
         write_random_folder(&dir, &config_100m(), 7, StoreDtype::F32)?;
         folders.push(("random ~100M".into(), dir));
+    }
+    if args.random_1b {
+        let dir = tmp.path().join("random-1b");
+        eprintln!("writing a random-weight ~1.24B-parameter Llama (f16) to {}", dir.display());
+        write_random_folder(&dir, &config_1b(), 7, StoreDtype::F16)?;
+        folders.push(("random ~1.24B f16".into(), dir));
     }
     for m in &args.model {
         folders.push((m.display().to_string(), m.clone()));
@@ -217,60 +301,50 @@ fn main() -> Result<()> {
         "{:<26} {:>10} {:>14} {:>14} {:>14} {:>14} {:>9} {:>9} {:>8}",
         "model", "params", "hr prefill/s", "cd prefill/s", "hr decode/s", "cd decode/s", "prefill×", "decode×", "agree"
     );
+    let host_bandwidth = if args.only_cuda { f64::NAN } else { headroom_model::cpu::measure_read_bandwidth() };
     let mut report = Vec::new();
     for (name, dir) in &folders {
         let bundle = ModelBundle::open(dir).with_context(|| format!("opening {}", dir.display()))?;
         let prompt = prompt_for(&bundle, args.prompt_tokens)?;
-        let ours = run_headroom(&bundle.load_cpu(|_, _| {})?, &bundle, &prompt, args.decode_tokens, args.runs, &args.concurrency)?;
-        let theirs = run_candle(dir, &prompt, args.decode_tokens, args.runs)?;
-        let agree = agreeing(&ours.tokens, &theirs.tokens);
-        println!(
-            "{:<26} {:>10} {:>14.1} {:>14.1} {:>14.1} {:>14.1} {:>9.2} {:>9.2} {:>5}/{}",
-            name,
-            bundle.config.parameter_count(),
-            ours.prefill_tok_s,
-            theirs.prefill_tok_s,
-            ours.decode_tok_s,
-            theirs.decode_tok_s,
-            ours.prefill_tok_s / theirs.prefill_tok_s,
-            ours.decode_tok_s / theirs.decode_tok_s,
-            agree,
-            args.decode_tokens
-        );
-        print_concurrent("headroom cpu", &ours);
-        report.push(serde_json::json!({
-            "model": name,
-            "parameters": bundle.config.parameter_count(),
-            "headroom": ours,
-            "candle": theirs,
-            "prefill_ratio": ours.prefill_tok_s / theirs.prefill_tok_s,
-            "decode_ratio": ours.decode_tok_s / theirs.decode_tok_s,
-            "greedy_tokens_agreeing": agree,
-            "blas": cfg!(feature = "blas"),
-        }));
+        let ours = if args.only_cuda { None } else { Some(run_cpu_engines(&bundle, dir, name, &prompt, &args, host_bandwidth, &mut report)?) };
         if args.cuda {
             let gpu = run_cuda(&bundle, &prompt, args.decode_tokens, args.runs, &args.concurrency)?;
-            let agree_cpu = agreeing(&gpu.tokens, &ours.tokens);
-            println!(
-                "{:<26} {:>10} {:>14.1} {:>14} {:>14.1} {:>14} {:>9.2} {:>9.2} {:>5}/{}  (headroom on cuda:0; ratios and agreement against headroom on cpu)",
-                format!("  └ cuda:0"),
-                "",
-                gpu.prefill_tok_s,
-                "",
-                gpu.decode_tok_s,
-                "",
-                gpu.prefill_tok_s / ours.prefill_tok_s,
-                gpu.decode_tok_s / ours.decode_tok_s,
-                agree_cpu,
-                args.decode_tokens
-            );
-            print_concurrent("headroom cuda:0", &gpu);
+            match &ours {
+                Some(ours) => println!(
+                    "{:<26} {:>10} {:>14.1} {:>14} {:>14.1} {:>14} {:>9.2} {:>9.2} {:>5}/{}  (headroom on cuda:0; ratios and agreement against headroom on cpu)",
+                    format!("  └ cuda:0"),
+                    "",
+                    gpu.prefill_tok_s,
+                    "",
+                    gpu.decode_tok_s,
+                    "",
+                    gpu.prefill_tok_s / ours.prefill_tok_s,
+                    gpu.decode_tok_s / ours.decode_tok_s,
+                    agreeing(&gpu.tokens, &ours.tokens),
+                    args.decode_tokens
+                ),
+                None => println!(
+                    "{:<26} {:>10} {:>14.1} {:>14} {:>14.1}  (headroom on cuda:0)",
+                    name,
+                    bundle.config.parameter_count(),
+                    gpu.prefill_tok_s,
+                    "",
+                    gpu.decode_tok_s
+                ),
+            }
+            let gpu_bound = BandwidthBound {
+                weight_bytes: bundle.gpu_weight_bytes(),
+                bytes_per_s: headroom_model::device::cuda_memory_bandwidth(0).unwrap_or(f64::NAN),
+                source: "driver's memory clock × bus width",
+            };
+            print_concurrent("headroom cuda:0", &gpu, &gpu_bound);
             report.push(serde_json::json!({
                 "model": name,
+                "cuda_bandwidth_bound": gpu_bound,
                 "headroom_cuda": gpu,
-                "cuda_vs_cpu_prefill": gpu.prefill_tok_s / ours.prefill_tok_s,
-                "cuda_vs_cpu_decode": gpu.decode_tok_s / ours.decode_tok_s,
-                "cuda_greedy_tokens_agreeing_with_cpu": agree_cpu,
+                "cuda_vs_cpu_prefill": ours.as_ref().map(|o| gpu.prefill_tok_s / o.prefill_tok_s),
+                "cuda_vs_cpu_decode": ours.as_ref().map(|o| gpu.decode_tok_s / o.decode_tok_s),
+                "cuda_greedy_tokens_agreeing_with_cpu": ours.as_ref().map(|o| agreeing(&gpu.tokens, &o.tokens)),
             }));
         }
     }

@@ -61,3 +61,33 @@ pub fn probe_cuda() -> CudaProbe {
         CudaProbe::Available { devices }
     }
 }
+
+/// The theoretical memory bandwidth of CUDA device `index` in bytes/s, from the driver's memory
+/// clock and bus width (double data rate): the bound a decode step that reads every weight
+/// once is measured against. `None` without a driver or device.
+pub fn cuda_memory_bandwidth(index: i32) -> Option<f64> {
+    if !probe_cuda().is_available() {
+        return None;
+    }
+    // CUdevice_attribute values from cuda.h.
+    const MEMORY_CLOCK_RATE_KHZ: i32 = 36;
+    const GLOBAL_MEMORY_BUS_WIDTH_BITS: i32 = 37;
+    // SAFETY: as in `probe_cuda`; the driver is initialised there.
+    unsafe {
+        let lib = libloading::Library::new("libcuda.so.1").or_else(|_| libloading::Library::new("libcuda.so")).ok()?;
+        type CuDeviceGet = unsafe extern "C" fn(*mut i32, i32) -> i32;
+        type CuDeviceGetAttribute = unsafe extern "C" fn(*mut i32, i32, i32) -> i32;
+        let get = lib.get::<CuDeviceGet>(b"cuDeviceGet\0").ok()?;
+        let attribute = lib.get::<CuDeviceGetAttribute>(b"cuDeviceGetAttribute\0").ok()?;
+        let mut device = 0;
+        if get(&mut device, index) != 0 {
+            return None;
+        }
+        let (mut clock_khz, mut bus_bits) = (0, 0);
+        if attribute(&mut clock_khz, MEMORY_CLOCK_RATE_KHZ, device) != 0 || attribute(&mut bus_bits, GLOBAL_MEMORY_BUS_WIDTH_BITS, device) != 0 {
+            return None;
+        }
+        std::mem::forget(lib);
+        Some(2.0 * clock_khz as f64 * 1000.0 * bus_bits as f64 / 8.0)
+    }
+}

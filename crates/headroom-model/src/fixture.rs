@@ -64,6 +64,22 @@ pub fn tiny_config() -> LlamaConfig {
     }
 }
 
+/// About 1.24B parameters in Llama 3.2 1B's shape (tied head, 128k vocabulary): the ~1B model
+/// of the GPU bandwidth targets.
+pub fn config_1b() -> LlamaConfig {
+    LlamaConfig {
+        vocab_size: 128_256,
+        hidden_size: 2048,
+        intermediate_size: 8192,
+        num_hidden_layers: 16,
+        num_attention_heads: 32,
+        num_key_value_heads: Some(8),
+        max_position_embeddings: 2048,
+        tie_word_embeddings: true,
+        ..tiny_config()
+    }
+}
+
 /// About 100M parameters, shaped like the small Llamas people run locally.
 pub fn config_100m() -> LlamaConfig {
     LlamaConfig {

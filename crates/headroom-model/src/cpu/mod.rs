@@ -34,3 +34,33 @@ mod neon;
 
 pub use engine::{CpuCache, CpuModel, KvPrecision, RopePairs};
 pub use matrix::{Activations, Bytes, PackedMatrix};
+
+/// The host's memory read bandwidth in bytes/s, measured: every thread of the pool sums its
+/// share of a 512 MiB buffer (far larger than any cache), best of three passes. What a decode
+/// step that streams every weight once is bounded by (benchmarks print it beside their rates).
+pub fn measure_read_bandwidth() -> f64 {
+    use rayon::prelude::*;
+    let words = 64usize << 20;
+    let buffer: Vec<u64> = (0..words as u64).collect();
+    let mut best = 0.0f64;
+    for _ in 0..3 {
+        let started = std::time::Instant::now();
+        // Eight independent lanes per chunk, so the adds never wait on each other.
+        let sum = buffer
+            .par_chunks(1 << 16)
+            .map(|c| {
+                let mut lanes = [0u64; 8];
+                for block in c.chunks_exact(8) {
+                    for (lane, &x) in lanes.iter_mut().zip(block) {
+                        *lane = lane.wrapping_add(x);
+                    }
+                }
+                lanes.iter().fold(0u64, |a, &x| a.wrapping_add(x))
+            })
+            .reduce(|| 0, u64::wrapping_add);
+        let rate = (words * 8) as f64 / started.elapsed().as_secs_f64();
+        std::hint::black_box(sum);
+        best = best.max(rate);
+    }
+    best
+}
