@@ -122,6 +122,9 @@ fn four_requests_at_once_stream_what_each_streams_alone() {
     }
 }
 
+/// With every slot full (four requests on a worker of four) a fifth is refused as busy and
+/// replayable (the router queues it: a worker never queues), an out-of-memory fails one request
+/// with a checkpoint and another is cancelled; the rest stream what they stream alone.
 #[test]
 fn a_cancel_and_an_out_of_memory_mid_batch_leave_the_others_untouched() {
     let (bundle, model, requests, alone) = lone_runs();
@@ -129,7 +132,9 @@ fn a_cancel_and_an_out_of_memory_mid_batch_leave_the_others_untouched() {
     // The first request admitted after this fault fails after 5 tokens.
     worker.send(ToWorker::Fault { fault: Fault::OomAfterTokens { tokens: 5 } });
     assert!(matches!(worker.next(), FromWorker::FaultSet { .. }));
-    let ids = worker.submit(&requests);
+    let mut ids = worker.submit(&requests);
+    ids.push("r4".into());
+    worker.send(ToWorker::Generate(GenerateJob { request_id: "r4".into(), request: requests[0].clone() }));
     let mut streams: HashMap<String, Stream> = ids.iter().map(|id| (id.clone(), Stream::default())).collect();
     let mut cancelled = false;
     while streams.values().any(|s| s.end.is_none()) {
@@ -165,6 +170,11 @@ fn a_cancel_and_an_out_of_memory_mid_batch_leave_the_others_untouched() {
         streams["r3"].end
     );
     assert!(streams["r3"].tokens.len() < alone[3].len() && streams["r3"].tokens == alone[3][..streams["r3"].tokens.len()]);
+    assert!(
+        matches!(streams["r4"].end, Some(FromWorker::Failed { kind: FailureKind::Busy, replayable: true, .. })) && streams["r4"].tokens.is_empty(),
+        "r4 came with every slot full and is refused as busy, for the router to queue: {:?}",
+        streams["r4"].end
+    );
     for i in [1, 2] {
         assert!(matches!(streams[&ids[i]].end, Some(FromWorker::Done { .. })), "{}: {:?}", ids[i], streams[&ids[i]].end);
         assert_eq!(streams[&ids[i]].tokens, alone[i], "{}: tokens beside a cancel and a fault vs alone", ids[i]);
@@ -192,4 +202,20 @@ fn tiles_in_batched_steps_fail_the_check() {
         .unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(!output.status.success() && stdout.contains("tokens in the batch vs alone"), "with the defect the check still passed: {stdout}");
+}
+
+/// The negative control of the refusal at full slots: a worker that takes a request beyond its
+/// slots fails the check.
+#[test]
+fn a_worker_over_its_slots_fails_the_check() {
+    if std::env::var_os("HEADROOM_TEST_DEFECT").is_some() {
+        return;
+    }
+    let output = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "a_cancel_and_an_out_of_memory_mid_batch_leave_the_others_untouched", "--test-threads", "1"])
+        .env("HEADROOM_TEST_DEFECT", "worker-over-slots")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(!output.status.success() && stdout.contains("refused as busy"), "with the defect the check still passed: {stdout}");
 }
