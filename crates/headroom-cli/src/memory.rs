@@ -7,8 +7,8 @@ use anyhow::{bail, Context, Result};
 use headroom_memory::footprint::human_bytes;
 use headroom_memory::observe::{gpu_memory, host_memory};
 use headroom_memory::{
-    planner_for, Allowances, Budget, Calibration, CalibrationEntry, CalibrationFile, CountingAllocator, MemoryConfig,
-    ModelShape, Planner, RequestShape, WorkspaceSample, MIB,
+    plan_split, planner_for, Allowances, Budget, Calibration, CalibrationEntry, CalibrationFile, CountingAllocator,
+    MemoryConfig, ModelShape, Planner, RequestShape, SplitInputs, WorkspaceSample, MIB,
 };
 use headroom_model::{generate, CancelToken, CpuModel, GenerateRequest, ModelBundle, SamplingParams};
 
@@ -34,6 +34,17 @@ pub struct PlanArgs {
     /// The client accepts a smaller max_tokens.
     #[arg(long)]
     pub allow_shrink: bool,
+    /// Transformer layers on the GPU: `auto` (as many as fit) or a count (default: the
+    /// `[memory] gpu_layers` setting).
+    #[arg(long)]
+    pub gpu_layers: Option<headroom_memory::GpuLayers>,
+    /// Requests the GPU worker runs at once, each guaranteed the split's minimum context.
+    #[arg(long, default_value_t = 4)]
+    pub concurrency: u64,
+    /// The GPU's memory bandwidth in GB/s for the split's speed estimate (default: the
+    /// driver's figure for GPU 0; none without a GPU).
+    #[arg(long)]
+    pub gpu_bandwidth_gbs: Option<f64>,
     #[arg(long)]
     pub json: bool,
 }
@@ -89,6 +100,31 @@ pub fn plan(bundle: &ModelBundle, mut config: MemoryConfig, args: PlanArgs) -> R
         ..Allowances::default()
     };
     let decision = planner.decide(request, allow, gpu.as_ref(), &host_budget, |_| None);
+    let wanted_layers = args.gpu_layers.unwrap_or(config.gpu_layers);
+    let split = gpu.as_ref().map(|g| {
+        let gpu_shape = ModelShape::for_backend(bundle, "cuda", config.cpu_kv_cache);
+        let cpu_shape = ModelShape::for_backend(bundle, "cpu", config.cpu_kv_cache);
+        // What the model may take: free VRAM (other programs' use out) less the reserve.
+        let usable = g.observed_free_bytes.unwrap_or(g.total_bytes).min(g.total_bytes).saturating_sub(g.reserve_bytes);
+        let inputs = SplitInputs {
+            gpu_usable_bytes: usable,
+            min_context_tokens: config.split_min_context_tokens.min(shape.context),
+            requests: args.concurrency.max(1),
+            prefill_chunk: args.prefill_chunk,
+            margin_percent: config.fragmentation_margin_percent,
+            host_bandwidth: Some(headroom_model::cpu::measure_read_bandwidth()),
+            gpu_bandwidth: args.gpu_bandwidth_gbs.map(|g| g * 1e9).or_else(|| headroom_model::device::cuda_memory_bandwidth(0)),
+        };
+        plan_split(&gpu_shape, &cpu_shape, &planner.calibration, inputs, wanted_layers)
+    });
+    if let Some(Err(e)) = &split {
+        bail!("{e}. Set `gpu_layers` in [memory] (or pass --gpu-layers) to a count that fits, or to \"auto\".");
+    }
+    let split = split.map(|s| s.expect("errors were reported"));
+    let held_as = serde_json::json!({
+        "gpu": (backend == "cuda").then(|| format!("{:?}", bundle.gpu_matrix_dtype())),
+        "cpu": format!("{} {}", bundle.format.container, bundle.format.quantization),
+    });
     if args.json {
         println!(
             "{}",
@@ -96,7 +132,7 @@ pub fn plan(bundle: &ModelBundle, mut config: MemoryConfig, args: PlanArgs) -> R
                 "model": bundle.path.display().to_string(),
                 "bundle_hash": bundle.hash,
                 "stored": bundle.format,
-                "held_as": "f32",
+                "held_as": held_as,
                 "shape": shape,
                 "request": request,
                 "footprint": footprint,
@@ -106,19 +142,23 @@ pub fn plan(bundle: &ModelBundle, mut config: MemoryConfig, args: PlanArgs) -> R
                 "gpu_available_bytes": gpu.map(|g| g.available_bytes()),
                 "host_budget": host_budget,
                 "admission": decision,
+                "split": split,
             }))?
         );
         return Ok(());
     }
     println!("model      {} ({} parameters, bundle {})", bundle.path.display(), shape.parameters, bundle.short_hash());
-    println!(
-        "weights    {} as f32 on each device (stored {} {} in {}; converted on load: no kernel for {} yet)",
-        human_bytes(footprint.weights_bytes),
-        bundle.format.container,
-        bundle.format.quantization,
-        human_bytes(bundle.weight_file_bytes),
-        bundle.format.quantization
-    );
+    if backend == "cuda" {
+        println!(
+            "weights    {} on the GPU (matrices {:?}, norms f32); {} on the CPU (the file's {} tensors)",
+            human_bytes(footprint.weights_bytes),
+            bundle.gpu_matrix_dtype(),
+            human_bytes(bundle.cpu_weight_bytes),
+            bundle.format.quantization
+        );
+    } else {
+        println!("weights    {} on the CPU (the file's {} {} tensors)", human_bytes(footprint.weights_bytes), bundle.format.container, bundle.format.quantization);
+    }
     println!(
         "KV cache   {} = {} per token × {} tokens ({} prompt + {} max_tokens)",
         human_bytes(footprint.kv_bytes),
@@ -152,6 +192,22 @@ pub fn plan(bundle: &ModelBundle, mut config: MemoryConfig, args: PlanArgs) -> R
         human_bytes(host_budget.available_bytes())
     );
     println!("decision   {}", serde_json::to_string(&decision)?);
+    if let Some(split) = &split {
+        println!("placement  {}", split.reason);
+        println!(
+            "           GPU {} (weights {}, KV cache {}, workspace and margin {}); CPU weights {}, KV cache {}",
+            human_bytes(split.gpu_bytes()),
+            human_bytes(split.gpu_weights_bytes),
+            human_bytes(split.gpu_kv_bytes),
+            human_bytes(split.gpu_workspace_bytes + split.gpu_margin_bytes),
+            human_bytes(split.cpu_weights_bytes),
+            human_bytes(split.cpu_kv_bytes)
+        );
+        match split.predicted_decode_tok_s {
+            Some(rate) => println!("           decode at most {rate:.1} tok/s for one sequence (each part streaming its weights at its device's bandwidth)"),
+            None => println!("           no speed estimate: no GPU bandwidth (pass --gpu-bandwidth-gbs)"),
+        }
+    }
     Ok(())
 }
 

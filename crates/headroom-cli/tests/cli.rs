@@ -74,6 +74,16 @@ fn plan_prints_the_breakdown_and_a_decision() {
     let bundle = headroom_model::ModelBundle::open(headroom_model::bundle::resolve_model(headroom_model::bundle::DEMO_MODEL)).unwrap();
     let (params, norms) = (bundle.config.parameter_count() as u64, bundle.config.norm_parameter_count() as u64);
     assert_eq!(plan["gpu_budget"]["weights_bytes"], (params - norms) * 2 + norms * 4, "{plan}");
+    // The whole model fits: every layer and the head on the GPU.
+    assert_eq!((plan["split"]["gpu_layers"].as_u64(), plan["split"]["head_on_gpu"].as_bool()), (Some(4), Some(true)), "{plan}");
+
+    // A layer count the model does not have is a CLI error that says what fits.
+    let out = headroom()
+        .args(["plan", "--model", "kjv-demo", "--prompt-tokens", "200", "--max-tokens", "300", "--vram-total-mib", "2048", "--gpu-layers", "9"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("the model has 4 layers; at most 4 fit") && stderr.contains("gpu_layers"), "{stderr}");
 
     // A GPU smaller than its reserve: the request goes to CPU, with the reason.
     let out = headroom()

@@ -32,6 +32,12 @@ pub struct MemoryConfig {
     /// Precision of the CPU worker's KV cache, `"f32"` or `"f16"` (half the host RAM per token,
     /// the same text within rounding). Admission counts the chosen one.
     pub cpu_kv_cache: headroom_model::KvPrecision,
+    /// How many transformer layers the GPU holds when the whole model does not fit: `"auto"`
+    /// (as many as fit, see [`crate::split`]) or a count.
+    pub gpu_layers: crate::split::GpuLayers,
+    /// The context every request on a split's GPU layers is guaranteed, in tokens: the plan
+    /// keeps room for its KV cache at the GPU worker's concurrency.
+    pub split_min_context_tokens: u64,
 }
 
 impl Default for MemoryConfig {
@@ -48,6 +54,8 @@ impl Default for MemoryConfig {
             min_shrunk_tokens: 16,
             sample_interval_ms: 1000,
             cpu_kv_cache: headroom_model::KvPrecision::F32,
+            gpu_layers: crate::split::GpuLayers::Auto,
+            split_min_context_tokens: 4096,
         }
     }
 }
@@ -112,6 +120,9 @@ impl MemoryConfig {
         }
         if let Some(v) = env_parse("HEADROOM_CPU_KV_CACHE")? {
             self.cpu_kv_cache = v;
+        }
+        if let Some(v) = env_parse("HEADROOM_GPU_LAYERS")? {
+            self.gpu_layers = v;
         }
         self.validate()
     }

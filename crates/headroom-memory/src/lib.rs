@@ -8,6 +8,7 @@ pub mod config;
 pub mod footprint;
 pub mod ledger;
 pub mod observe;
+pub mod split;
 
 pub use admit::{Admission, Allowances, Budget, Planner};
 pub use calibration::{planner_for, CalibrationEntry, CalibrationFile, ResolvedCalibration};
@@ -15,6 +16,7 @@ pub use config::MemoryConfig;
 pub use footprint::{Calibration, Footprint, ModelShape, RequestShape, WorkspaceSample, GIB, MIB};
 pub use ledger::{Insufficient, Ledger, Reservation};
 pub use observe::{CountingAllocator, GpuMemory, HostMemory, MemorySampler, Sample};
+pub use split::{plan_split, GpuLayers, SplitInputs, SplitPlan};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
