@@ -45,6 +45,9 @@ pub struct PlanArgs {
     /// driver's figure for GPU 0; none without a GPU).
     #[arg(long)]
     pub gpu_bandwidth_gbs: Option<f64>,
+    /// The host's read bandwidth in GB/s for that estimate (default: measured, ~2 s).
+    #[arg(long)]
+    pub host_bandwidth_gbs: Option<f64>,
     #[arg(long)]
     pub json: bool,
 }
@@ -112,7 +115,7 @@ pub fn plan(bundle: &ModelBundle, mut config: MemoryConfig, args: PlanArgs) -> R
             requests: args.concurrency.max(1),
             prefill_chunk: args.prefill_chunk,
             margin_percent: config.fragmentation_margin_percent,
-            host_bandwidth: Some(headroom_model::cpu::measure_read_bandwidth()),
+            host_bandwidth: Some(args.host_bandwidth_gbs.map_or_else(headroom_model::cpu::measure_read_bandwidth, |g| g * 1e9)),
             gpu_bandwidth: args.gpu_bandwidth_gbs.map(|g| g * 1e9).or_else(|| headroom_model::device::cuda_memory_bandwidth(0)),
         };
         plan_split(&gpu_shape, &cpu_shape, &planner.calibration, inputs, wanted_layers)

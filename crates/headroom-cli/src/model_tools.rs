@@ -241,7 +241,7 @@ fn bench(bundle: &ModelBundle, shape: &BenchShape, kv: KvArg, measure_bandwidth:
         }
         concurrent.push((n, median(rates)));
     }
-    let bandwidth = measure_bandwidth.then(read_bandwidth_bytes_per_s);
+    let bandwidth = measure_bandwidth.then(headroom_model::cpu::measure_read_bandwidth);
     let decode_tok_s = median(decode);
     // A decode step reads every weight once (the embedding only for its one row, unless it is
     // also the output head).
@@ -281,39 +281,3 @@ fn bench(bundle: &ModelBundle, shape: &BenchShape, kv: KvArg, measure_bandwidth:
     Ok(())
 }
 
-/// Sequential read bandwidth of main memory with the pool's threads: the best of five passes
-/// over a 1 GiB buffer (larger than any cache here), each thread summing its own slices with
-/// software prefetch, as the kernels read.
-fn read_bandwidth_bytes_per_s() -> f64 {
-    use rayon::prelude::*;
-    let words = (1usize << 30) / 8;
-    let buffer: Vec<u64> = (0..words as u64).into_par_iter().map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)).collect();
-    let mut best = 0f64;
-    for _ in 0..5 {
-        let started = std::time::Instant::now();
-        // Eight independent lanes per thread, so the loads vectorize and overlap like a kernel's.
-        let sum: u64 = buffer
-            .par_chunks(1 << 16)
-            .map(|c| {
-                let mut lanes = [0u64; 8];
-                for group in c.chunks_exact(8) {
-                    // As the kernels do: ask for the line 4 KiB ahead (the hardware prefetcher
-                    // stops at page boundaries), so this measures what a kernel can stream.
-                    #[cfg(target_arch = "x86_64")]
-                    unsafe {
-                        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-                        _mm_prefetch::<_MM_HINT_T0>(group.as_ptr().wrapping_add(512) as *const i8);
-                    }
-                    for (l, v) in lanes.iter_mut().zip(group) {
-                        *l = l.wrapping_add(*v);
-                    }
-                }
-                lanes.iter().fold(0u64, |a, &b| a.wrapping_add(b))
-            })
-            .reduce(|| 0, u64::wrapping_add);
-        let seconds = started.elapsed().as_secs_f64();
-        std::hint::black_box(sum);
-        best = best.max((words * 8) as f64 / seconds);
-    }
-    best
-}

@@ -61,7 +61,7 @@ fn too_long_prompt_states_the_limits() {
 #[test]
 fn plan_prints_the_breakdown_and_a_decision() {
     let out = headroom()
-        .args(["plan", "--model", "kjv-demo", "--prompt-tokens", "200", "--max-tokens", "300", "--vram-total-mib", "2048", "--json"])
+        .args(["plan", "--model", "kjv-demo", "--prompt-tokens", "200", "--max-tokens", "300", "--vram-total-mib", "2048", "--host-bandwidth-gbs", "20", "--json"])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -79,7 +79,7 @@ fn plan_prints_the_breakdown_and_a_decision() {
 
     // A layer count the model does not have is a CLI error that says what fits.
     let out = headroom()
-        .args(["plan", "--model", "kjv-demo", "--prompt-tokens", "200", "--max-tokens", "300", "--vram-total-mib", "2048", "--gpu-layers", "9"])
+        .args(["plan", "--model", "kjv-demo", "--prompt-tokens", "200", "--max-tokens", "300", "--vram-total-mib", "2048", "--host-bandwidth-gbs", "20", "--gpu-layers", "9"])
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -87,7 +87,7 @@ fn plan_prints_the_breakdown_and_a_decision() {
 
     // A GPU smaller than its reserve: the request goes to CPU, with the reason.
     let out = headroom()
-        .args(["plan", "--model", "kjv-demo", "--prompt-tokens", "200", "--max-tokens", "300", "--vram-total-mib", "1000", "--json"])
+        .args(["plan", "--model", "kjv-demo", "--prompt-tokens", "200", "--max-tokens", "300", "--vram-total-mib", "1000", "--host-bandwidth-gbs", "20", "--json"])
         .output()
         .unwrap();
     let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();

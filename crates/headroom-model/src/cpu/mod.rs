@@ -35,32 +35,40 @@ mod neon;
 pub use engine::{CpuCache, CpuModel, KvPrecision, RopePairs};
 pub use matrix::{Activations, Bytes, PackedMatrix};
 
-/// The host's memory read bandwidth in bytes/s, measured: every thread of the pool sums its
-/// share of a 512 MiB buffer (far larger than any cache), best of three passes. What a decode
-/// step that streams every weight once is bounded by (benchmarks print it beside their rates).
+/// Sequential read bandwidth of main memory in bytes/s with the pool's threads: the best of five
+/// passes over a 1 GiB buffer (larger than any cache here), each thread summing its own slices
+/// with software prefetch, as the kernels read. What a decode step that streams every weight
+/// once is bounded by (`headroom model bench`, `headroom plan` and headroom-bench print it).
 pub fn measure_read_bandwidth() -> f64 {
     use rayon::prelude::*;
-    let words = 64usize << 20;
-    let buffer: Vec<u64> = (0..words as u64).collect();
-    let mut best = 0.0f64;
-    for _ in 0..3 {
+    let words = (1usize << 30) / 8;
+    let buffer: Vec<u64> = (0..words as u64).into_par_iter().map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)).collect();
+    let mut best = 0f64;
+    for _ in 0..5 {
         let started = std::time::Instant::now();
-        // Eight independent lanes per chunk, so the adds never wait on each other.
-        let sum = buffer
+        // Eight independent lanes per thread, so the loads vectorize and overlap like a kernel's.
+        let sum: u64 = buffer
             .par_chunks(1 << 16)
             .map(|c| {
                 let mut lanes = [0u64; 8];
-                for block in c.chunks_exact(8) {
-                    for (lane, &x) in lanes.iter_mut().zip(block) {
-                        *lane = lane.wrapping_add(x);
+                for group in c.chunks_exact(8) {
+                    // As the kernels do: ask for the line 4 KiB ahead (the hardware prefetcher
+                    // stops at page boundaries), so this measures what a kernel can stream.
+                    #[cfg(target_arch = "x86_64")]
+                    unsafe {
+                        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+                        _mm_prefetch::<_MM_HINT_T0>(group.as_ptr().wrapping_add(512) as *const i8);
+                    }
+                    for (l, v) in lanes.iter_mut().zip(group) {
+                        *l = l.wrapping_add(*v);
                     }
                 }
-                lanes.iter().fold(0u64, |a, &x| a.wrapping_add(x))
+                lanes.iter().fold(0u64, |a, &b| a.wrapping_add(b))
             })
             .reduce(|| 0, u64::wrapping_add);
-        let rate = (words * 8) as f64 / started.elapsed().as_secs_f64();
+        let seconds = started.elapsed().as_secs_f64();
         std::hint::black_box(sum);
-        best = best.max(rate);
+        best = best.max((words * 8) as f64 / seconds);
     }
     best
 }
