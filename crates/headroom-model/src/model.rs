@@ -45,17 +45,22 @@ pub struct Mlp<B: Backend> {
 
 impl<B: Backend> Mlp<B> {
     fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        // Cast once for the two products that read it.
+        let x = as_type(x, matrix_type(&self.gate_proj));
         let gate = silu(project(&self.gate_proj, x.clone()));
         project(&self.down_proj, gate * project(&self.up_proj, x))
     }
 }
 
 /// `x·W + b` with `W` (and `b`) in the type they were loaded as, f16 or bf16 on a GPU: `x` is
-/// cast to it for the product and the product back to `x`'s type, so norms, RoPE, softmax and
-/// the residual stream stay f32.
+/// cast to it for the product (where the caller has not already) and the product comes back in
+/// f32, so norms, RoPE, softmax and the residual stream stay f32.
 fn project<B: Backend>(layer: &Linear<B>, x: Tensor<B, 3>) -> Tensor<B, 3> {
-    let computed = x.dtype();
-    as_type(layer.forward(as_type(x, layer.weight.val().dtype())), computed)
+    as_type(layer.forward(as_type(x, matrix_type(layer))), DType::F32)
+}
+
+fn matrix_type<B: Backend>(layer: &Linear<B>) -> DType {
+    layer.weight.val().dtype()
 }
 
 /// `x` in `dtype`, not copied when it already is.
@@ -186,6 +191,8 @@ impl<B: Backend> Attention<B> {
     /// sequence (a batched decode step). The projections read their weights once for the whole
     /// batch either way; each sequence then attends over its own cache at its own position.
     fn forward(&self, x: Tensor<B, 3>, rows: &mut [Row<'_, B>]) -> Tensor<B, 3> {
+        // Cast once for the three products that read it.
+        let x = as_type(x, matrix_type(&self.q_proj));
         let q = project(&self.q_proj, x.clone());
         let k = project(&self.k_proj, x.clone());
         let v = project(&self.v_proj, x);
@@ -342,9 +349,9 @@ impl<B: Backend> Llama<B> {
                 // no `[hidden, vocab]` copy of it is made per call (for one token hᵀ is free).
                 let [batch, seq, dim] = hidden.dims();
                 let weight = self.embed_tokens.weight.val();
-                let (vocab, computed) = (weight.dims()[0], hidden.dtype());
+                let vocab = weight.dims()[0];
                 let hidden = as_type(hidden.reshape([batch * seq, dim]), weight.dtype());
-                as_type(weight.matmul(hidden.transpose()).transpose().reshape([batch, seq, vocab]), computed)
+                as_type(weight.matmul(hidden.transpose()).transpose().reshape([batch, seq, vocab]), DType::F32)
             }
         }
     }
