@@ -11,9 +11,9 @@
 #   run load: faults at full load (scripts/gpu_load_check.py): a burst on a cold kernel cache,
 #          kill -9 of the GPU worker and a real competing allocation, each with the GPU's slots
 #          full and requests queued behind them.
-#   run bench: the batching and 16-bit-weight figures only (headroom-bench --cuda --only-cuda):
-#          the random ~100M and ~1.24B models at 1, 2, 4 and 8 sequences, each beside its
-#          bandwidth bound.
+#   run bench: issue 20's CUDA figures only: the 4M default on CUDA against the CPU engines, then
+#          (headroom-bench --cuda --only-cuda) the 4M, random ~100M and ~1.24B models at 1, 2, 4
+#          and 8 sequences, each beside its bandwidth bound.
 #          Everything lands in $OUT (log.txt, bench.json, serve.json).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -62,7 +62,9 @@ export HEADROOM_DEFAULT_MODEL=$PWD/models/kjv-demo
 prompt="And God said, Let there be light: and there was light."
 
 if [ "${2:-all}" = bench ]; then
-step "bench: headroom on cuda, ~100M and ~1.24B random models, 1-8 sequences, bandwidth bounds"
+step "bench: the 4M default on cuda against the cpu engines"
+timeout 120 headroom-bench --runs 2 --cuda --skip-100m --json "$OUT/bench-default.json"
+step "bench: headroom on cuda only, 4M, ~100M and ~1.24B models, 1-8 sequences, bandwidth bounds"
 timeout 420 headroom-bench --runs 2 --cuda --only-cuda --random-1b --json "$OUT/bench-cuda.json"
 step done
 exit 0
