@@ -120,10 +120,9 @@ pub fn plan(bundle: &ModelBundle, mut config: MemoryConfig, args: PlanArgs) -> R
         };
         plan_split(&gpu_shape, &cpu_shape, &planner.calibration, inputs, wanted_layers)
     });
-    if let Some(Err(e)) = &split {
-        bail!("{e}. Set `gpu_layers` in [memory] (or pass --gpu-layers) to a count that fits, or to \"auto\".");
-    }
-    let split = split.map(|s| s.expect("errors were reported"));
+    let split = split
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("{e}. Set `gpu_layers` in [memory] (or pass --gpu-layers) to a count that fits, or to \"auto\"."))?;
     let held_as = serde_json::json!({
         "gpu": (backend == "cuda").then(|| format!("{:?}", bundle.gpu_matrix_dtype())),
         "cpu": format!("{} {}", bundle.format.container, bundle.format.quantization),

@@ -175,7 +175,7 @@ pub fn plan_split(
         };
         // Test-only: the GPU layers' KV cache is left out (the defect of an offload that fits
         // the weights and runs out of memory at the first long request).
-        let gpu_kv = if crate::split::ignores_kv() { 0 } else { gpu_kv };
+        let gpu_kv = if headroom_model::test_defect("split-ignores-kv") { 0 } else { gpu_kv };
         SplitPlan {
             layers,
             gpu_layers: n,
@@ -234,10 +234,6 @@ pub fn plan_split(
             Ok(p)
         }
     }
-}
-
-fn ignores_kv() -> bool {
-    headroom_model::test_defect("split-ignores-kv")
 }
 
 #[cfg(test)]
@@ -314,13 +310,7 @@ mod tests {
         if std::env::var_os("HEADROOM_TEST_DEFECT").is_some() {
             return;
         }
-        let output = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "split::tests::the_gpu_takes_every_layer_that_fits_with_its_kv_cache", "--test-threads", "1"])
-            .env("HEADROOM_TEST_DEFECT", "split-ignores-kv")
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        assert!(!output.status.success() && stdout.contains("1 failed"), "with the defect the check still passed: {stdout}");
+        headroom_model::failing_with_defect("split::tests::the_gpu_takes_every_layer_that_fits_with_its_kv_cache", "split-ignores-kv");
     }
 
     #[test]

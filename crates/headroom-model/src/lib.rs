@@ -85,10 +85,11 @@ pub fn test_defect(name: &str) -> bool {
         .any(|d| d == name)
 }
 
-/// Runs the unit test `test` of this test binary in a child process with the defect `defect`
-/// switched on, asserts that exactly that test failed, and gives its output.
-#[cfg(test)]
-pub(crate) fn failing_with_defect(test: &str, defect: &str) -> String {
+/// Runs the test `test` of the running test binary in a child process with the defect `defect`
+/// switched on, asserts that exactly that test failed, and gives its output: the negative
+/// controls of every crate's tests.
+#[doc(hidden)]
+pub fn failing_with_defect(test: &str, defect: &str) -> String {
     let output = std::process::Command::new(std::env::current_exe().unwrap())
         .args(["--exact", test, "--test-threads", "1"])
         .env("HEADROOM_TEST_DEFECT", defect)

@@ -93,13 +93,8 @@ fn fails_with_tiles_in_batches(test: &str, says: &str) {
 /// Runs `test` of this binary with the test-only `defect` switched on and asserts that it fails
 /// saying `says`.
 fn fails_with_defect(test: &str, defect: &str, says: &str) {
-    let output = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", test, "--test-threads", "1"])
-        .env("HEADROOM_TEST_DEFECT", defect)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(!output.status.success() && stdout.contains(says), "with the defect {test} still passed: {stdout}");
+    let stdout = headroom_model::failing_with_defect(test, defect);
+    assert!(stdout.contains(says), "with the defect {test} failed otherwise: {stdout}");
 }
 
 /// Whether a negative control can run here: not inside another control, and on a processor
@@ -146,11 +141,10 @@ fn bundle_model(bundle: &ModelBundle) -> headroom_model::CpuModel {
     bundle.load_cpu(|_, _| {}).unwrap()
 }
 
-fn alone_and_together(bundle: &ModelBundle, prompts: &[Vec<u32>]) {
-    let model = bundle_model(bundle);
+fn alone_and_together<M: Decoder>(model: &M, bundle: &ModelBundle, prompts: &[Vec<u32>]) {
     let requests = requests(bundle, prompts);
-    let alone: Vec<Vec<u32>> = requests.iter().map(|r| generate(&model, bundle, r, &CancelToken::new(), |_| {}).unwrap().tokens).collect();
-    let together = generate_together(&model, bundle, &requests).unwrap();
+    let alone: Vec<Vec<u32>> = requests.iter().map(|r| generate(model, bundle, r, &CancelToken::new(), |_| {}).unwrap().tokens).collect();
+    let together = generate_together(model, bundle, &requests).unwrap();
     for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
         assert_eq!(a, t, "request {i}: tokens alone vs in a batch of {}", requests.len());
         assert_eq!(a.len(), requests[i].max_tokens, "request {i} ran to its max_tokens");
@@ -165,7 +159,7 @@ fn requests_give_the_same_tokens_alone_and_in_a_batch_of_four() {
         let bundle = packed_file(dir.path(), ty);
         let vocab = bundle.config.vocab_size as u32;
         let prompts: Vec<Vec<u32>> = [3usize, 9, 21, 1].iter().map(|&n| (0..n as u32).map(|i| (i * 53 + 11 * n as u32) % vocab).collect()).collect();
-        alone_and_together(&bundle, &prompts);
+        alone_and_together(&bundle_model(&bundle), &bundle, &prompts);
     }
 }
 
@@ -177,7 +171,7 @@ fn the_default_model_gives_the_same_tokens_alone_and_in_a_batch_of_four() {
         .iter()
         .map(|q| bundle.chat_prompt(&[headroom_model::ChatMessage::new("user", *q)], None).unwrap())
         .collect();
-    alone_and_together(&bundle, &prompts);
+    alone_and_together(&bundle_model(&bundle), &bundle, &prompts);
 }
 
 fn default_model() -> Option<ModelBundle> {
@@ -293,8 +287,5 @@ fn burn_requests_give_the_same_tokens_alone_and_in_a_batch_of_four() {
     let model: Llama<CpuBackend> = bundle.load(&Default::default(), |_, _| {}).unwrap();
     let vocab = bundle.config.vocab_size as u32;
     let prompts: Vec<Vec<u32>> = [3usize, 9, 21, 1].iter().map(|&n| (0..n as u32).map(|i| (i * 53 + 11 * n as u32) % vocab).collect()).collect();
-    let requests = requests(&bundle, &prompts);
-    let alone: Vec<Vec<u32>> = requests.iter().map(|r| generate(&model, &bundle, r, &CancelToken::new(), |_| {}).unwrap().tokens).collect();
-    let together = generate_together(&model, &bundle, &requests).unwrap();
-    assert_eq!(alone, together, "tokens alone vs in a batch of {}", requests.len());
+    alone_and_together(&model, &bundle, &prompts);
 }

@@ -357,11 +357,6 @@ fn the_matrix_type_check_fails_when_the_type_is_ignored() {
     if std::env::var_os("HEADROOM_TEST_DEFECT").is_some() {
         return;
     }
-    let output = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "matrices_load_in_the_type_asked_for_and_give_the_f32_logits", "--test-threads", "1"])
-        .env("HEADROOM_TEST_DEFECT", "matrices-f32")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(!output.status.success() && stdout.contains("not the F64 asked for"), "with the defect the check still passed: {stdout}");
+    let stdout = headroom_model::failing_with_defect("matrices_load_in_the_type_asked_for_and_give_the_f32_logits", "matrices-f32");
+    assert!(stdout.contains("not the F64 asked for"), "with the defect the check failed otherwise: {stdout}");
 }

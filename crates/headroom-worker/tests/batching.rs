@@ -195,13 +195,8 @@ fn tiles_in_batched_steps_fail_the_check() {
         eprintln!("this processor's kernels sum a batch's steps as they sum lone steps; skipped");
         return;
     }
-    let output = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "four_requests_at_once_stream_what_each_streams_alone", "--test-threads", "1"])
-        .env("HEADROOM_TEST_DEFECT", "batch-tiles")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(!output.status.success() && stdout.contains("tokens in the batch vs alone"), "with the defect the check still passed: {stdout}");
+    let stdout = headroom_model::failing_with_defect("four_requests_at_once_stream_what_each_streams_alone", "batch-tiles");
+    assert!(stdout.contains("tokens in the batch vs alone"), "with the defect the check failed otherwise: {stdout}");
 }
 
 /// The negative control of the refusal at full slots: a worker that takes a request beyond its
@@ -211,11 +206,6 @@ fn a_worker_over_its_slots_fails_the_check() {
     if std::env::var_os("HEADROOM_TEST_DEFECT").is_some() {
         return;
     }
-    let output = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "a_cancel_and_an_out_of_memory_mid_batch_leave_the_others_untouched", "--test-threads", "1"])
-        .env("HEADROOM_TEST_DEFECT", "worker-over-slots")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(!output.status.success() && stdout.contains("refused as busy"), "with the defect the check still passed: {stdout}");
+    let stdout = headroom_model::failing_with_defect("a_cancel_and_an_out_of_memory_mid_batch_leave_the_others_untouched", "worker-over-slots");
+    assert!(stdout.contains("refused as busy"), "with the defect the check failed otherwise: {stdout}");
 }
