@@ -263,12 +263,35 @@ impl ModelBundle {
     /// Loads the weights for the CPU engine: a GGUF file's packed tensors stay memory-mapped;
     /// a folder's f16/bf16 matrices stay 16-bit, the rest is read as f32.
     pub fn load_cpu(&self, on_layer: impl FnMut(usize, usize)) -> Result<crate::cpu::CpuModel> {
+        self.load_cpu_layers(self.config.num_hidden_layers, on_layer)
+    }
+
+    /// The CPU engine with the embedding, the first `layers` layers, the final norm and the
+    /// head: a split model's CPU part.
+    pub fn load_cpu_layers(&self, layers: usize, on_layer: impl FnMut(usize, usize)) -> Result<crate::cpu::CpuModel> {
         if self.format.container == "gguf" {
             let file = GgufFile::open(&self.path)?;
-            return crate::cpu::CpuModel::from_gguf(&file, &self.config, on_layer);
+            return crate::cpu::CpuModel::from_gguf(&file, &self.config, layers, on_layer);
         }
         let files = WeightFiles::open(&self.path)?;
-        crate::cpu::CpuModel::from_tensors(&files, &self.config, on_layer)
+        crate::cpu::CpuModel::from_tensors(&files, &self.config, layers, on_layer)
+    }
+
+    /// Layers `layers` alone, matrices stored as `matrices`: a split model's GPU part.
+    pub fn load_layer_stack<B: Backend>(
+        &self,
+        device: &B::Device,
+        matrices: DType,
+        layers: std::ops::Range<usize>,
+        on_layer: impl FnMut(usize, usize),
+    ) -> Result<crate::model::LayerStack<B>> {
+        if self.format.container == "gguf" {
+            let file = GgufFile::open(&self.path)?;
+            let weights = crate::gguf_model::GgufWeights { file: &file, config: &self.config };
+            return crate::weights::load_layer_stack(&weights, &self.config, layers, matrices, device, on_layer);
+        }
+        let files = WeightFiles::open(&self.path)?;
+        crate::weights::load_layer_stack(&files, &self.config, layers, matrices, device, on_layer)
     }
 
     fn open_gguf(path: PathBuf) -> Result<Self> {

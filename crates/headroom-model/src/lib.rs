@@ -15,6 +15,7 @@ pub mod gguf_model;
 pub mod model;
 pub mod quants;
 pub mod sampler;
+pub mod split;
 pub mod template;
 pub mod weights;
 
@@ -31,7 +32,8 @@ pub use generate::{
 };
 pub use batch::Batch;
 pub use cpu::{CpuModel, KvPrecision};
-pub use model::{KvCache, Llama, Place, RopeTables};
+pub use model::{KvCache, LayerStack, Llama, Place, RopeTables};
+pub use split::{SplitCache, SplitModel};
 pub use sampler::{Sampler, SamplerState, SamplingParams};
 pub use template::{ChatMessage, ChatTemplate};
 

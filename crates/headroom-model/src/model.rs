@@ -155,8 +155,13 @@ pub struct KvCache<B: Backend> {
 
 impl<B: Backend> KvCache<B> {
     pub fn new(config: &LlamaConfig, capacity: usize, device: &B::Device) -> Self {
+        Self::for_layers(config, config.num_hidden_layers, capacity, device)
+    }
+
+    /// A cache of `layers` layers (a split model's GPU part holds only its own).
+    pub fn for_layers(config: &LlamaConfig, layers: usize, capacity: usize, device: &B::Device) -> Self {
         let (kvh, d) = (config.kv_heads(), config.head_dim());
-        let layers = (0..config.num_hidden_layers)
+        let layers = (0..layers)
             .map(|_| {
                 (
                     Some(Tensor::zeros([1, kvh, d, capacity], device)),
@@ -295,49 +300,76 @@ pub struct Place<'a, B: Backend> {
     pub cache: Option<&'a mut KvCache<B>>,
 }
 
+/// Runs the residual stream `x: [batch, seq, hidden]` through `layers`, each place's cache
+/// holding exactly those layers, and advances the caches past the new tokens.
+fn run_layers<B: Backend>(layers: &[DecoderLayer<B>], mut x: Tensor<B, 3>, places: &mut [Place<'_, B>]) -> Tensor<B, 3> {
+    let seq = x.dims()[1];
+    // Test-only: every sequence of a batch takes the first one's position (the defect that
+    // batching sequences of different lengths invites).
+    if places.len() > 1 && crate::test_defect("batch-positions") {
+        let first = places[0].start;
+        places.iter_mut().for_each(|p| p.start = first);
+    }
+    for place in places.iter() {
+        if let Some(cache) = place.cache.as_deref() {
+            assert_eq!(cache.layers.len(), layers.len(), "a cache holds the layers it is run through");
+        }
+    }
+    // With a cache, attention spans its whole capacity, so unwritten slots are masked even
+    // for a single new token; without one, only a multi-token sequence needs a mask.
+    let attn = &layers[0].self_attn;
+    let masks: Vec<Option<Tensor<B, 2, Bool>>> = places
+        .iter()
+        .map(|place| {
+            let keys = place.cache.as_ref().map_or(seq, |c| c.capacity);
+            (keys > place.start + 1 || seq > 1)
+                .then(|| causal_mask::<B>(attn.n_heads / attn.n_kv_heads, seq, place.start, keys, &x.device()))
+        })
+        .collect();
+    for (i, layer) in layers.iter().enumerate() {
+        let mut rows: Vec<Row<'_, B>> = places
+            .iter_mut()
+            .zip(&masks)
+            .map(|(place, mask)| Row {
+                rope: place.rope,
+                start: place.start,
+                mask: mask.as_ref(),
+                cache: place.cache.as_deref_mut().map(|c| &mut c.layers[i]),
+            })
+            .collect();
+        x = layer.forward(x, &mut rows);
+    }
+    for place in places.iter_mut() {
+        if let Some(cache) = place.cache.as_deref_mut() {
+            cache.len = place.start + seq;
+        }
+    }
+    x
+}
+
+/// Consecutive decoder layers without the embedding, final norm or head: the GPU's part of a
+/// split model ([`crate::split::SplitModel`]), which takes the residual stream from the CPU's
+/// layers and hands it back for the rest.
+#[derive(Module, Debug)]
+pub struct LayerStack<B: Backend> {
+    pub layers: Vec<DecoderLayer<B>>,
+}
+
+impl<B: Backend> LayerStack<B> {
+    /// Runs the residual stream `x: [batch, seq, hidden]` through the layers (see
+    /// [`Llama::hidden`] for `places`) and returns it, not normed.
+    pub fn forward(&self, x: Tensor<B, 3>, places: &mut [Place<'_, B>]) -> Tensor<B, 3> {
+        run_layers(&self.layers, x, places)
+    }
+}
+
 impl<B: Backend> Llama<B> {
     /// Hidden states after the final norm, `[batch, seq, hidden]`. `places` holds one place
     /// for the whole batch or one per sequence (each with its own position and cache).
     pub fn hidden(&self, tokens: Tensor<B, 2, Int>, places: &mut [Place<'_, B>]) -> Tensor<B, 3> {
-        let seq = tokens.dims()[1];
         // The residual stream is f32 whatever type the embedding is stored in.
-        let mut x = as_type(self.embed_tokens.forward(tokens), DType::F32);
-        // Test-only: every sequence of a batch takes the first one's position (the defect that
-        // batching sequences of different lengths invites).
-        if places.len() > 1 && crate::test_defect("batch-positions") {
-            let first = places[0].start;
-            places.iter_mut().for_each(|p| p.start = first);
-        }
-        // With a cache, attention spans its whole capacity, so unwritten slots are masked even
-        // for a single new token; without one, only a multi-token sequence needs a mask.
-        let attn = &self.layers[0].self_attn;
-        let masks: Vec<Option<Tensor<B, 2, Bool>>> = places
-            .iter()
-            .map(|place| {
-                let keys = place.cache.as_ref().map_or(seq, |c| c.capacity);
-                (keys > place.start + 1 || seq > 1)
-                    .then(|| causal_mask::<B>(attn.n_heads / attn.n_kv_heads, seq, place.start, keys, &x.device()))
-            })
-            .collect();
-        for (i, layer) in self.layers.iter().enumerate() {
-            let mut rows: Vec<Row<'_, B>> = places
-                .iter_mut()
-                .zip(&masks)
-                .map(|(place, mask)| Row {
-                    rope: place.rope,
-                    start: place.start,
-                    mask: mask.as_ref(),
-                    cache: place.cache.as_deref_mut().map(|c| &mut c.layers[i]),
-                })
-                .collect();
-            x = layer.forward(x, &mut rows);
-        }
-        for place in places.iter_mut() {
-            if let Some(cache) = place.cache.as_deref_mut() {
-                cache.len = place.start + seq;
-            }
-        }
-        self.norm.forward(x)
+        let x = as_type(self.embed_tokens.forward(tokens), DType::F32);
+        self.norm.forward(run_layers(&self.layers, x, places))
     }
 
     /// Vocabulary logits for hidden states `[batch, seq, hidden]`.

@@ -12,7 +12,7 @@ use burn::tensor::{DType, Tensor, TensorData};
 use safetensors::{Dtype, SafeTensors};
 
 use crate::config::LlamaConfig;
-use crate::model::{Attention, DecoderLayer, Llama, Mlp, RmsNorm};
+use crate::model::{Attention, DecoderLayer, LayerStack, Llama, Mlp, RmsNorm};
 use crate::{Error, Result};
 
 /// The safetensors files of a model folder, memory-mapped.
@@ -238,42 +238,15 @@ pub fn load_llama<B: Backend>(
     device: &B::Device,
     mut on_layer: impl FnMut(usize, usize),
 ) -> Result<Llama<B>> {
-    // Test-only: the type asked for is ignored, as before GPUs held 16-bit matrices.
-    let matrices = if crate::test_defect("matrices-f32") { DType::F32 } else { matrices };
+    let matrices = stored_type(matrices);
     let h = config.hidden_size;
-    let (nh, kvh, d) = (config.num_attention_heads, config.kv_heads(), config.head_dim());
-    let inter = config.intermediate_size;
-    let bias = config.has_qkv_bias();
     let embed = files.read_shaped("model.embed_tokens.weight", &[config.vocab_size, h])?;
     let embed_tokens = Embedding {
         weight: param2(embed, [config.vocab_size, h], matrices, device),
     };
     let mut layers = Vec::with_capacity(config.num_hidden_layers);
     for i in 0..config.num_hidden_layers {
-        let p = format!("model.layers.{i}");
-        layers.push(DecoderLayer {
-            input_layernorm: load_norm(files, &format!("{p}.input_layernorm.weight"), config, device)?,
-            self_attn: Attention {
-                q_proj: load_linear(files, &format!("{p}.self_attn.q_proj"), h, nh * d, bias, matrices, device)?,
-                k_proj: load_linear(files, &format!("{p}.self_attn.k_proj"), h, kvh * d, bias, matrices, device)?,
-                v_proj: load_linear(files, &format!("{p}.self_attn.v_proj"), h, kvh * d, bias, matrices, device)?,
-                o_proj: load_linear(files, &format!("{p}.self_attn.o_proj"), nh * d, h, false, matrices, device)?,
-                n_heads: nh,
-                n_kv_heads: kvh,
-                head_dim: d,
-            },
-            post_attention_layernorm: load_norm(
-                files,
-                &format!("{p}.post_attention_layernorm.weight"),
-                config,
-                device,
-            )?,
-            mlp: Mlp {
-                gate_proj: load_linear(files, &format!("{p}.mlp.gate_proj"), h, inter, false, matrices, device)?,
-                up_proj: load_linear(files, &format!("{p}.mlp.up_proj"), h, inter, false, matrices, device)?,
-                down_proj: load_linear(files, &format!("{p}.mlp.down_proj"), inter, h, false, matrices, device)?,
-            },
-        });
+        layers.push(load_layer(files, config, i, matrices, device)?);
         on_layer(i + 1, config.num_hidden_layers);
     }
     let norm = load_norm(files, "model.norm.weight", config, device)?;
@@ -289,6 +262,67 @@ pub fn load_llama<B: Backend>(
         norm,
         lm_head,
     })
+}
+
+/// The type matrices are stored in when `asked` is. Test-only: the type asked for is ignored,
+/// as before GPUs held 16-bit matrices.
+fn stored_type(asked: DType) -> DType {
+    if crate::test_defect("matrices-f32") {
+        DType::F32
+    } else {
+        asked
+    }
+}
+
+/// Layer `i` of the model, its matrices stored as `matrices`.
+fn load_layer<B: Backend>(files: &impl TensorSource, config: &LlamaConfig, i: usize, matrices: DType, device: &B::Device) -> Result<DecoderLayer<B>> {
+    let h = config.hidden_size;
+    let (nh, kvh, d) = (config.num_attention_heads, config.kv_heads(), config.head_dim());
+    let inter = config.intermediate_size;
+    let bias = config.has_qkv_bias();
+    let p = format!("model.layers.{i}");
+    Ok(DecoderLayer {
+        input_layernorm: load_norm(files, &format!("{p}.input_layernorm.weight"), config, device)?,
+        self_attn: Attention {
+            q_proj: load_linear(files, &format!("{p}.self_attn.q_proj"), h, nh * d, bias, matrices, device)?,
+            k_proj: load_linear(files, &format!("{p}.self_attn.k_proj"), h, kvh * d, bias, matrices, device)?,
+            v_proj: load_linear(files, &format!("{p}.self_attn.v_proj"), h, kvh * d, bias, matrices, device)?,
+            o_proj: load_linear(files, &format!("{p}.self_attn.o_proj"), nh * d, h, false, matrices, device)?,
+            n_heads: nh,
+            n_kv_heads: kvh,
+            head_dim: d,
+        },
+        post_attention_layernorm: load_norm(
+            files,
+            &format!("{p}.post_attention_layernorm.weight"),
+            config,
+            device,
+        )?,
+        mlp: Mlp {
+            gate_proj: load_linear(files, &format!("{p}.mlp.gate_proj"), h, inter, false, matrices, device)?,
+            up_proj: load_linear(files, &format!("{p}.mlp.up_proj"), h, inter, false, matrices, device)?,
+            down_proj: load_linear(files, &format!("{p}.mlp.down_proj"), inter, h, false, matrices, device)?,
+        },
+    })
+}
+
+/// The layers `layers` of the model alone (a split model's GPU part), matrices as `matrices`.
+pub fn load_layer_stack<B: Backend>(
+    files: &impl TensorSource,
+    config: &LlamaConfig,
+    layers: std::ops::Range<usize>,
+    matrices: DType,
+    device: &B::Device,
+    mut on_layer: impl FnMut(usize, usize),
+) -> Result<LayerStack<B>> {
+    let matrices = stored_type(matrices);
+    let total = layers.len();
+    let mut stack = Vec::with_capacity(total);
+    for i in layers {
+        stack.push(load_layer(files, config, i, matrices, device)?);
+        on_layer(stack.len(), total);
+    }
+    Ok(LayerStack { layers: stack })
 }
 
 /// A freshly initialised model (normal(0, 0.02) weights, unit norms), for training and

@@ -48,6 +48,9 @@ pub struct WorkerArgs {
     /// Precision of the CPU engine's KV cache: f32 or f16.
     #[arg(long, default_value = "f32")]
     pub kv_cache: headroom_model::KvPrecision,
+    /// On a GPU: hold only the model's last N layers there and run the rest on the CPU (a split).
+    #[arg(long)]
+    pub gpu_layers: Option<u32>,
 }
 
 /// Runs one worker until its stdin closes; returns the process exit code. Never touches CUDA
@@ -71,6 +74,7 @@ fn worker_options(device: Device, args: WorkerArgs) -> WorkerOptions {
     options.memory_sample_ms = args.memory_sample_ms;
     options.sim_vram_mib = args.sim_vram_mib;
     options.kv_cache = args.kv_cache;
+    options.gpu_layers = args.gpu_layers;
     options
 }
 

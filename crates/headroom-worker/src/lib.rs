@@ -9,7 +9,7 @@ pub mod sim;
 
 use serde::{Deserialize, Serialize};
 
-pub use protocol::{FailureKind, Fault, FromWorker, GenerateJob, MemoryReading, ToWorker, PROTOCOL_VERSION};
+pub use protocol::{FailureKind, Fault, FromWorker, GenerateJob, MemoryReading, SplitLayers, ToWorker, PROTOCOL_VERSION};
 pub use runtime::{DEVICE_FAULT_EXIT_CODE, RESET_EXIT_CODE};
 
 /// The device a worker computes on. On the wire, in the journal and in every API it is its label
@@ -98,6 +98,9 @@ pub struct WorkerOptions {
     pub sim_vram_mib: u64,
     /// Precision of the KV cache on the CPU device (the sim GPU models a GPU's f32).
     pub kv_cache: headroom_model::KvPrecision,
+    /// On a GPU: how many of the model's last layers it holds, the rest running on the CPU in
+    /// this process (a planned split, `headroom_memory::split`). `None`: every layer.
+    pub gpu_layers: Option<u32>,
 }
 
 impl WorkerOptions {
@@ -114,6 +117,7 @@ impl WorkerOptions {
             memory_sample_ms: 1000,
             sim_vram_mib: 2048,
             kv_cache: headroom_model::KvPrecision::F32,
+            gpu_layers: None,
         }
     }
 
@@ -135,6 +139,9 @@ impl WorkerOptions {
         }
         if self.device == Device::Cpu {
             args.extend(["--kv-cache".into(), self.kv_cache.to_string()]);
+        }
+        if let Some(n) = self.gpu_layers.filter(|_| self.device.is_gpu()) {
+            args.extend(["--gpu-layers".into(), n.to_string()]);
         }
         args
     }

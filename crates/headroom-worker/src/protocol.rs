@@ -64,6 +64,13 @@ pub enum Fault {
     Clear,
 }
 
+/// Where a split model's layers run (see `headroom_model::split`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SplitLayers {
+    pub gpu_layers: u32,
+    pub layers: u32,
+}
+
 /// Worker → router.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -81,6 +88,10 @@ pub enum FromWorker {
         max_concurrency: u32,
         load_ms: f64,
         memory: MemoryReading,
+        /// A split model: the last this many of its `layers` run on this GPU, the rest on the
+        /// host's CPU in this process. `None`: the whole model runs on this device.
+        #[serde(default)]
+        split: Option<SplitLayers>,
     },
     Token {
         request_id: String,

@@ -12,13 +12,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use headroom_memory::{Ledger, MemoryConfig, Planner, RequestShape, Reservation};
-use headroom_model::{Batch, CancelToken, CpuModel, Decoder, GenerateRequest, ModelBundle, Session};
+use headroom_model::{Batch, CancelToken, CpuBackend, CpuModel, Decoder, GenerateRequest, ModelBundle, Session, SplitModel};
 #[cfg(feature = "cuda")]
 use headroom_model::Llama;
 
 use crate::protocol::{
     read_frame, write_frame, FailureKind, Fault, FrameError, FromWorker, GenerateJob,
-    MemoryReading, ToWorker, PROTOCOL_VERSION,
+    MemoryReading, SplitLayers, ToWorker, PROTOCOL_VERSION,
 };
 use crate::sim::{FaultState, TokenVerdict};
 use crate::{Device, WorkerOptions};
@@ -45,13 +45,19 @@ impl Outbox {
 enum Engine {
     /// The CPU engine (packed weights); the sim GPU runs it too.
     Cpu(CpuModel),
+    /// A split on the sim GPU: its layers in burn's ndarray backend, as CUDA runs them.
+    SimSplit(SplitModel<CpuBackend>),
     #[cfg(feature = "cuda")]
     Cuda(Llama<burn_cuda::Cuda<f32>>, burn_cuda::CudaDevice),
+    #[cfg(feature = "cuda")]
+    CudaSplit(SplitModel<burn_cuda::Cuda<f32>>, burn_cuda::CudaDevice),
 }
 
 struct Loaded {
     bundle: ModelBundle,
     engine: Engine,
+    /// Set when the model runs split: its KV cache on this device is its GPU layers' alone.
+    split: Option<SplitLayers>,
     planner: Planner,
     /// The sim device's weights, held in its ledger for as long as the model is loaded.
     _weights: Option<Reservation>,
@@ -163,13 +169,16 @@ impl State {
             Ok(b) => b,
             Err(e) => return self.failed(None, FailureKind::Invalid, e.to_string()),
         };
-        let shape = headroom_memory::ModelShape::from_config(&bundle.config);
+        let split = match self.split_layers(&bundle) {
+            Ok(split) => split,
+            Err(message) => return self.failed(None, FailureKind::Invalid, message),
+        };
         let weights = match &self.ledger {
             Some(ledger) => {
                 if self.faults.take_oom_next_allocation() {
                     return self.failed(None, FailureKind::Oom, "simulated out-of-memory loading the weights".into());
                 }
-                match ledger.try_reserve("weights", shape.weights_bytes()) {
+                match ledger.try_reserve("weights", device_weight_bytes(&bundle, self.options.device, split)) {
                     Ok(r) => Some(r),
                     Err(e) => {
                         return self.failed(None, FailureKind::Oom, format!("the weights do not fit: {e}"))
@@ -178,7 +187,7 @@ impl State {
             }
             None => None,
         };
-        let engine = match self.load_engine(&bundle) {
+        let engine = match self.load_engine(&bundle, split) {
             Ok(e) => e,
             Err((kind, message)) => return self.failed(None, kind, message),
         };
@@ -189,7 +198,7 @@ impl State {
         );
         tracing::info!(source = %calibration.source, "workspace calibration");
         let context = self.context_limit(&bundle);
-        let loaded = Arc::new(Loaded { bundle, engine, planner, _weights: weights });
+        let loaded = Arc::new(Loaded { bundle, engine, split, planner, _weights: weights });
         *self.loaded.lock().unwrap() = Some(loaded.clone());
         // A model loaded again replaces the batch thread: the old one finishes what it runs and
         // ends when its channel closes.
@@ -208,41 +217,60 @@ impl State {
             max_concurrency: self.options.max_concurrency,
             load_ms: started.elapsed().as_secs_f64() * 1000.0,
             memory: self.read_memory(),
+            split,
         });
         tracing::info!(device = %self.options.device.label(), hash = %loaded.bundle.short_hash(), "model loaded");
     }
 
-    fn load_engine(&self, bundle: &ModelBundle) -> Result<Engine, (FailureKind, String)> {
+    /// The split this worker runs `bundle` as, from `gpu_layers` (GPU devices only).
+    fn split_layers(&self, bundle: &ModelBundle) -> Result<Option<SplitLayers>, String> {
+        let layers = bundle.config.num_hidden_layers as u32;
+        match self.options.gpu_layers.filter(|_| self.options.device.is_gpu()) {
+            None => Ok(None),
+            Some(0) => Err("gpu_layers = 0 leaves nothing on the GPU: serve the model from the CPU worker (--gpu none) or give the GPU at least one layer".into()),
+            Some(n) if n > layers => Err(format!("gpu_layers = {n}, but {} has {layers} layers; use at most {layers}, or \"auto\"", bundle.name())),
+            Some(n) if n == layers => Ok(None),
+            Some(gpu_layers) => Ok(Some(SplitLayers { gpu_layers, layers })),
+        }
+    }
+
+    fn load_engine(&self, bundle: &ModelBundle, split: Option<SplitLayers>) -> Result<Engine, (FailureKind, String)> {
         let loaded = catch_unwind(AssertUnwindSafe(|| -> Result<Engine, headroom_model::Error> {
-            match self.options.device {
-                Device::Cpu => {
+            match (self.options.device, split) {
+                (Device::Cpu, _) => {
                     let mut model = bundle.load_cpu(|_, _| {})?;
                     model.kv_precision = self.options.kv_cache;
                     Ok(Engine::Cpu(model))
                 }
-                Device::Sim => Ok(Engine::Cpu(bundle.load_cpu(|_, _| {})?)),
+                (Device::Sim, None) => Ok(Engine::Cpu(bundle.load_cpu(|_, _| {})?)),
+                (Device::Sim, Some(split)) => {
+                    Ok(Engine::SimSplit(SplitModel::load(bundle, split.gpu_layers as usize, &Default::default(), burn::tensor::DType::F32)?))
+                }
                 #[cfg(feature = "cuda")]
-                Device::Cuda(index) => {
+                (Device::Cuda(index), split) => {
                     crate::kernel_cache::configure();
                     let device = burn_cuda::CudaDevice::new(index as usize);
-                    let model = bundle.load_as(&device, bundle.gpu_matrix_dtype(), |_, _| {})?;
                     // Compile (or fetch from the kernel cache) the prefill and decode kernels now,
                     // under the load timeout, so the first request and the breaker's restore
                     // probe do not wait for the compiler.
-                    // A batched step has its own shapes (`[n, 1, hidden]` for n sequences), so
-                    // every batch size up to the worker's concurrency is run once as well.
                     let started = Instant::now();
-                    let request = warm_up_request(bundle)?;
-                    headroom_model::generate(&model, bundle, &request, &CancelToken::new(), |_| {})?;
-                    let requests = vec![request; self.options.max_concurrency as usize];
-                    for n in 2..=requests.len() {
-                        headroom_model::batch::generate_together(&model, bundle, &requests[..n])?;
-                    }
-                    tracing::info!(ms = started.elapsed().as_millis() as u64, batch_sizes = requests.len(), "CUDA kernels warmed up");
-                    Ok(Engine::Cuda(model, device))
+                    let engine = match split {
+                        None => {
+                            let model = bundle.load_as(&device, bundle.gpu_matrix_dtype(), |_, _| {})?;
+                            warm_up(&model, bundle, self.options.max_concurrency)?;
+                            Engine::Cuda(model, device)
+                        }
+                        Some(split) => {
+                            let model = SplitModel::load(bundle, split.gpu_layers as usize, &device, bundle.gpu_matrix_dtype())?;
+                            warm_up(&model, bundle, self.options.max_concurrency)?;
+                            Engine::CudaSplit(model, device)
+                        }
+                    };
+                    tracing::info!(ms = started.elapsed().as_millis() as u64, batch_sizes = self.options.max_concurrency, "CUDA kernels warmed up");
+                    Ok(engine)
                 }
                 #[cfg(not(feature = "cuda"))]
-                Device::Cuda(_) => Err(headroom_model::Error::InvalidRequest(
+                (Device::Cuda(_), _) => Err(headroom_model::Error::InvalidRequest(
                     "this build has no CUDA support; rebuild with the `cuda` feature".into(),
                 )),
             }
@@ -299,12 +327,8 @@ impl State {
         let weights_bytes = loaded
             .as_ref()
             .map(|l| match (&l.engine, self.options.device) {
-                // The CPU engine holds the file's packed bytes, CUDA 16-bit matrices; the sim
-                // GPU models f32 weights.
                 (Engine::Cpu(model), Device::Cpu) => model.weight_bytes() as u64,
-                #[cfg(feature = "cuda")]
-                (Engine::Cuda(..), _) => l.bundle.gpu_weight_bytes(),
-                _ => headroom_memory::ModelShape::from_config(&l.bundle.config).weights_bytes(),
+                (_, device) => device_weight_bytes(&l.bundle, device, l.split),
             })
             .unwrap_or(0);
         let mut reading = MemoryReading {
@@ -339,7 +363,7 @@ impl State {
                     reading.used_bytes = Some(gpu.used_bytes);
                 }
                 #[cfg(feature = "cuda")]
-                if let Some(Engine::Cuda(_, device)) = loaded.as_ref().map(|l| &l.engine) {
+                if let Some(Engine::Cuda(_, device) | Engine::CudaSplit(_, device)) = loaded.as_ref().map(|l| &l.engine) {
                     use cubecl::prelude::Runtime;
                     reading.allocator_bytes = cubecl::cuda::CudaRuntime::client(device)
                         .memory_usage()
@@ -394,8 +418,11 @@ impl State {
     fn serve_batch(&self, loaded: &Loaded, jobs: Receiver<(GenerateJob, CancelToken)>) {
         match &loaded.engine {
             Engine::Cpu(model) => self.drive(model, loaded, &jobs),
+            Engine::SimSplit(model) => self.drive(model, loaded, &jobs),
             #[cfg(feature = "cuda")]
             Engine::Cuda(model, _) => self.drive(model, loaded, &jobs),
+            #[cfg(feature = "cuda")]
+            Engine::CudaSplit(model, _) => self.drive(model, loaded, &jobs),
         }
     }
 
@@ -533,7 +560,11 @@ impl State {
                 if self.faults.take_oom_next_allocation() {
                     return Err(refuse(FailureKind::Oom, "simulated out-of-memory allocating the KV cache".into()));
                 }
-                let footprint = loaded.planner.footprint(RequestShape::of(request));
+                let mut footprint = loaded.planner.footprint(RequestShape::of(request));
+                // A split holds its GPU layers' share of the KV cache on the device.
+                if let Some(split) = loaded.split {
+                    footprint.kv_bytes = footprint.kv_bytes * split.gpu_layers as u64 / split.layers as u64;
+                }
                 match ledger.try_reserve(id, footprint.request_bytes()) {
                     Ok(r) => Some(r),
                     Err(e) => return Err(refuse(FailureKind::Oom, format!("out of memory for the KV cache: {e}"))),
@@ -595,16 +626,26 @@ impl State {
         // (on a cold kernel cache a new shape took longer than the probe's timeout).
         let request = warm_up_request(&loaded.bundle).map_err(|e| e.to_string())?;
         let cancel = CancelToken::new();
+        #[cfg(feature = "cuda")]
+        let on_cuda = |device: &burn_cuda::CudaDevice| {
+            let floats = (canary_bytes / 4).max(1) as usize;
+            let canary = burn::tensor::Tensor::<burn_cuda::Cuda<f32>, 1>::zeros([floats], device);
+            let _ = canary.into_data();
+        };
         let outcome = catch_unwind(AssertUnwindSafe(|| match &loaded.engine {
             Engine::Cpu(model) => {
                 let _canary = vec![0u8; canary_bytes.min(64 << 20) as usize];
                 headroom_model::generate(model, &loaded.bundle, &request, &cancel, |_| {}).map(|_| ())
             }
+            Engine::SimSplit(model) => headroom_model::generate(model, &loaded.bundle, &request, &cancel, |_| {}).map(|_| ()),
             #[cfg(feature = "cuda")]
             Engine::Cuda(model, device) => {
-                let floats = (canary_bytes / 4).max(1) as usize;
-                let canary = burn::tensor::Tensor::<burn_cuda::Cuda<f32>, 1>::zeros([floats], device);
-                let _ = canary.into_data();
+                on_cuda(device);
+                headroom_model::generate(model, &loaded.bundle, &request, &cancel, |_| {}).map(|_| ())
+            }
+            #[cfg(feature = "cuda")]
+            Engine::CudaSplit(model, device) => {
+                on_cuda(device);
                 headroom_model::generate(model, &loaded.bundle, &request, &cancel, |_| {}).map(|_| ())
             }
         }));
@@ -680,6 +721,33 @@ impl Running {
 }
 
 /// The generation a CUDA worker compiles its kernels with at load, and the breaker's probe runs.
+/// Runs a lone generation and every batch size up to `max_concurrency` once, so their shapes
+/// are compiled and autotuned before the first request (a batched step has its own shapes,
+/// `[n, 1, hidden]` for n sequences).
+#[cfg(feature = "cuda")]
+fn warm_up<M: Decoder>(model: &M, bundle: &ModelBundle, max_concurrency: u32) -> headroom_model::Result<()> {
+    let request = warm_up_request(bundle)?;
+    headroom_model::generate(model, bundle, &request, &CancelToken::new(), |_| {})?;
+    let requests = vec![request; max_concurrency as usize];
+    for n in 2..=requests.len() {
+        headroom_model::batch::generate_together(model, bundle, &requests[..n])?;
+    }
+    Ok(())
+}
+
+/// Bytes of weights the GPU device holds for `bundle`: CUDA's 16-bit matrices, the sim GPU's
+/// f32 model of them; of a split, its GPU layers' alone.
+fn device_weight_bytes(bundle: &ModelBundle, device: Device, split: Option<SplitLayers>) -> u64 {
+    let shape = match device {
+        Device::Cuda(_) => headroom_memory::ModelShape::for_backend(bundle, "cuda", Default::default()),
+        _ => headroom_memory::ModelShape::from_config(&bundle.config),
+    };
+    match split {
+        None => shape.weights_bytes(),
+        Some(split) => headroom_memory::split::LayerBytes::of(&shape, &shape).gpu_layer * split.gpu_layers as u64,
+    }
+}
+
 fn warm_up_request(bundle: &ModelBundle) -> headroom_model::Result<GenerateRequest> {
     let mut prompt = bundle.encode("And it came to pass", true)?;
     prompt.resize(prompt.len().max(8), 0);

@@ -4,75 +4,13 @@
 //! (cancelled; out-of-memory with a checkpoint that resumes to the lone run's tokens) while the
 //! others go on untouched.
 
+mod support;
+
 use std::collections::HashMap;
-use std::io::{PipeReader, PipeWriter};
-use std::path::{Path, PathBuf};
 
-use headroom_model::{generate, CancelToken, GenerateRequest, ModelBundle, SamplingParams};
-use headroom_worker::protocol::{read_frame, write_frame};
-use headroom_worker::{Device, FailureKind, Fault, FromWorker, GenerateJob, ToWorker, WorkerOptions};
-
-/// The default model (SmolLM2-135M Q4_1) where it is installed, whose greedy tokens part ways
-/// at the smallest change of arithmetic; the demo model otherwise.
-fn model_path() -> PathBuf {
-    let models = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models");
-    let default = models.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    if default.exists() { default } else { models.join("kjv-demo") }
-}
-
-struct Worker {
-    to: PipeWriter,
-    from: PipeReader,
-}
-
-impl Worker {
-    fn start(max_concurrency: u32) -> Self {
-        let (worker_in, to) = std::io::pipe().unwrap();
-        let (from, worker_out) = std::io::pipe().unwrap();
-        let mut options = WorkerOptions::new(Device::Sim);
-        options.max_concurrency = max_concurrency;
-        options.memory_sample_ms = 0;
-        std::thread::spawn(move || headroom_worker::runtime::run(options, worker_in, worker_out));
-        let mut worker = Worker { to, from };
-        assert!(matches!(worker.next(), FromWorker::Hello { .. }));
-        worker.send(ToWorker::Load { model_dir: model_path().display().to_string() });
-        match worker.next() {
-            FromWorker::Ready { max_concurrency: n, .. } => assert_eq!(n, max_concurrency),
-            other => panic!("expected Ready, got {other:?}"),
-        }
-        worker
-    }
-
-    fn send(&mut self, message: ToWorker) {
-        write_frame(&mut self.to, &message).unwrap();
-    }
-
-    /// Sends every request at once, as `r0`, `r1`, …; returns their ids.
-    fn submit(&mut self, requests: &[GenerateRequest]) -> Vec<String> {
-        let ids: Vec<String> = (0..requests.len()).map(|i| format!("r{i}")).collect();
-        for (id, request) in ids.iter().zip(requests) {
-            self.send(ToWorker::Generate(GenerateJob { request_id: id.clone(), request: request.clone() }));
-        }
-        ids
-    }
-
-    fn next(&mut self) -> FromWorker {
-        read_frame(&mut self.from).unwrap()
-    }
-}
-
-fn requests(bundle: &ModelBundle) -> Vec<GenerateRequest> {
-    ["In the beginning God created", "And the LORD spake unto Moses, saying", "The capital of France is", "Let there be light"]
-        .iter()
-        .enumerate()
-        .map(|(i, text)| {
-            let prompt = bundle.encode(text, true).unwrap();
-            let mut r = GenerateRequest::new(prompt, 24 + 8 * i, SamplingParams::default());
-            r.ignore_eos = true;
-            r
-        })
-        .collect()
-}
+use headroom_model::{generate, CancelToken, GenerateRequest, ModelBundle};
+use headroom_worker::{FailureKind, Fault, FromWorker, GenerateJob, ToWorker};
+use support::{model_path, requests, Stream, Worker};
 
 /// The model, the test's requests, and each request's tokens run alone.
 fn lone_runs() -> (ModelBundle, headroom_model::CpuModel, Vec<GenerateRequest>, Vec<Vec<u32>>) {
@@ -81,13 +19,6 @@ fn lone_runs() -> (ModelBundle, headroom_model::CpuModel, Vec<GenerateRequest>, 
     let requests = requests(&bundle);
     let alone = requests.iter().map(|r| generate(&model, &bundle, r, &CancelToken::new(), |_| {}).unwrap().tokens).collect();
     (bundle, model, requests, alone)
-}
-
-/// What each request streams: its tokens in order and how it ended.
-#[derive(Debug, Default)]
-struct Stream {
-    tokens: Vec<u32>,
-    end: Option<FromWorker>,
 }
 
 #[test]

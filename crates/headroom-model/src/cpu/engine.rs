@@ -187,28 +187,32 @@ impl WeightReader for FolderReader<'_> {
 
 impl CpuModel {
     /// Loads a GGUF file's weights, packed types memory-mapped in place.
-    pub fn from_gguf(file: &GgufFile, config: &LlamaConfig, on_layer: impl FnMut(usize, usize)) -> Result<Self> {
+    /// `layers`: how many of the model's layers, from the first, it holds (all but a split
+    /// model's CPU part).
+    pub fn from_gguf(file: &GgufFile, config: &LlamaConfig, layers: usize, on_layer: impl FnMut(usize, usize)) -> Result<Self> {
         // Start reading the whole file in now (the kernels will read every weight on the first
         // token): page faults at load instead of in the first request's decode steps.
         let _ = file.map.advise(memmap2::Advice::WillNeed);
         let permuted = config.model_type == "llama";
         let rope_pairs = if permuted && !crate::test_defect("keep-qk-permutation") { RopePairs::Interleaved } else { RopePairs::Half };
-        Self::load(&GgufReader { file, config }, config, rope_pairs, on_layer)
+        Self::load(&GgufReader { file, config }, config, rope_pairs, layers, on_layer)
     }
 
-    /// Loads weights from a Hugging Face folder's tensors (f32 in memory).
-    pub fn from_tensors(source: &dyn TensorSource, config: &LlamaConfig, on_layer: impl FnMut(usize, usize)) -> Result<Self> {
-        Self::load(&FolderReader(source), config, RopePairs::Half, on_layer)
+    /// Loads the first `layers` layers from a Hugging Face folder's tensors (f16 and bf16 as
+    /// stored, the rest f32).
+    pub fn from_tensors(source: &dyn TensorSource, config: &LlamaConfig, layers: usize, on_layer: impl FnMut(usize, usize)) -> Result<Self> {
+        Self::load(&FolderReader(source), config, RopePairs::Half, layers, on_layer)
     }
 
-    fn load(files: &dyn WeightReader, config: &LlamaConfig, rope_pairs: RopePairs, mut on_layer: impl FnMut(usize, usize)) -> Result<Self> {
+    fn load(files: &dyn WeightReader, config: &LlamaConfig, rope_pairs: RopePairs, count: usize, mut on_layer: impl FnMut(usize, usize)) -> Result<Self> {
+        assert!(count <= config.num_hidden_layers, "the model has {} layers, not {count}", config.num_hidden_layers);
         let h = config.hidden_size;
         let (nh, kvh, d) = (config.num_attention_heads, config.kv_heads(), config.head_dim());
         let inter = config.intermediate_size;
         let bias = config.has_qkv_bias();
         let embed = files.matrix("model.embed_tokens.weight", config.vocab_size, h)?;
-        let mut layers = Vec::with_capacity(config.num_hidden_layers);
-        for i in 0..config.num_hidden_layers {
+        let mut layers = Vec::with_capacity(count);
+        for i in 0..count {
             let p = format!("model.layers.{i}");
             let opt = |name: &str, len: usize| -> Result<Option<Vec<f32>>> {
                 if bias { files.vector(&format!("{p}.self_attn.{name}.bias"), len).map(Some) } else { Ok(None) }
@@ -227,7 +231,7 @@ impl CpuModel {
                 up: files.matrix(&format!("{p}.mlp.up_proj.weight"), inter, h)?,
                 down: files.matrix(&format!("{p}.mlp.down_proj.weight"), h, inter)?,
             });
-            on_layer(i + 1, config.num_hidden_layers);
+            on_layer(i + 1, count);
         }
         let norm = files.vector("model.norm.weight", h)?;
         let head = if config.tie_word_embeddings { None } else { Some(files.matrix("lm_head.weight", config.vocab_size, h)?) };
@@ -315,25 +319,83 @@ impl CpuModel {
         logits
     }
 
+    /// One step of a split model ([`crate::split::SplitModel`]): the embedding and this
+    /// model's layers (the first ones) on `inputs`, each `(tokens, cache)`, then `rest` (the
+    /// remaining layers, elsewhere) on the residual stream `[tokens, hidden]`, then the final
+    /// norm and the head here. Gives each input's logits of its last token. `decode_steps`:
+    /// every input is one sequence's single decode token.
+    pub(crate) fn step_around(
+        &self,
+        inputs: &mut [(&[u32], &mut CpuCache)],
+        decode_steps: bool,
+        rest: impl FnOnce(Vec<f32>) -> Vec<f32>,
+    ) -> Vec<Vec<f32>> {
+        let mut segments: Vec<Segment> = inputs.iter_mut().map(|(tokens, cache)| Segment { tokens, cache }).collect();
+        // Two teams: the rest's backend has threads of its own to run on.
+        let x = Team::run(|team| {
+            let mut x = self.embed_rows(&segments);
+            self.run_layers(&mut x, &mut segments, decode_steps, team);
+            x
+        });
+        let x = rest(x);
+        let h = self.config.hidden_size;
+        assert_eq!(x.len(), segments.iter().map(|s| s.tokens.len()).sum::<usize>() * h, "the rest of the layers gives a row per token");
+        Team::run(|team| {
+            let normed = self.finish(&x, &mut segments);
+            let mut last = Vec::with_capacity(segments.len() * h);
+            let mut end = 0;
+            for s in &segments {
+                end += s.tokens.len();
+                last.extend_from_slice(&normed[(end - 1) * h..end * h]);
+            }
+            let logits = self.logits(&Activations::decode_steps(&last, segments.len(), h), team);
+            logits.chunks_exact(self.config.vocab_size).map(<[f32]>::to_vec).collect()
+        })
+    }
+
     /// Hidden states after the final norm, `[tokens, hidden]`, of every segment's tokens in
     /// order. `decode_steps`: each segment is one sequence's single decode token (see
     /// [`Activations::decode_steps`]).
     fn hidden(&self, segments: &mut [Segment], decode_steps: bool, team: &Team) -> Vec<f32> {
-        let c = &self.config;
+        let mut x = self.embed_rows(segments);
+        self.run_layers(&mut x, segments, decode_steps, team);
+        self.finish(&x, segments)
+    }
+
+    /// The embedding rows of every segment's tokens, in order: the residual stream.
+    fn embed_rows(&self, segments: &[Segment]) -> Vec<f32> {
         let n: usize = segments.iter().map(|s| s.tokens.len()).sum();
         assert!(segments.iter().all(|s| !s.tokens.is_empty()), "at least one token per segment");
         for s in segments.iter() {
             let end = s.cache.len + s.tokens.len();
             assert!(end <= s.cache.capacity, "the KV cache holds {} tokens; {end} do not fit", s.cache.capacity);
         }
+        let mut x = Vec::with_capacity(n * self.config.hidden_size);
+        for &t in segments.iter().flat_map(|s| s.tokens) {
+            x.extend(self.embed.dequantize_row(t as usize));
+        }
+        x
+    }
+
+    /// Advances the segments' caches past their tokens and gives the final norm of `x`.
+    fn finish(&self, x: &[f32], segments: &mut [Segment]) -> Vec<f32> {
+        for s in segments.iter_mut() {
+            s.cache.len += s.tokens.len();
+        }
+        let mut normed = vec![0f32; x.len()];
+        rms_norm_rows(x, &self.norm, self.config.rms_norm_eps, &mut normed);
+        normed
+    }
+
+    /// Runs the residual stream `x` of the segments' tokens through this model's layers,
+    /// writing their keys and values at each segment's `cache.len` (not advanced here).
+    fn run_layers(&self, x: &mut [f32], segments: &mut [Segment], decode_steps: bool, team: &Team) {
+        let c = &self.config;
+        let n: usize = segments.iter().map(|s| s.tokens.len()).sum();
         let (h, nh, kvh, d) = (c.hidden_size, c.num_attention_heads, c.kv_heads(), c.head_dim());
         let inter = c.intermediate_size;
         fn acts(values: &[f32], n: usize, cols: usize, decode_steps: bool) -> Activations<'_> {
             if decode_steps { Activations::decode_steps(values, n, cols) } else { Activations::new(values, n, cols) }
-        }
-        let mut x = Vec::with_capacity(n * h);
-        for &t in segments.iter().flat_map(|s| s.tokens) {
-            x.extend(self.embed.dequantize_row(t as usize));
         }
         // Each token's position: its segment's cache length plus its place in the segment.
         let mut cos = Vec::with_capacity(n * d / 2);
@@ -380,11 +442,6 @@ impl CpuModel {
             layer.down.multiply(&acts(&gate, n, inter, decode_steps), &mut proj, team);
             x.iter_mut().zip(&proj).for_each(|(x, p)| *x += p);
         }
-        for s in segments.iter_mut() {
-            s.cache.len += s.tokens.len();
-        }
-        rms_norm_rows(&x, &self.norm, c.rms_norm_eps, &mut normed);
-        normed
     }
 
     /// cos and sin of every frequency at positions `start..start + n` (`[n, d/2]`), computed in
