@@ -7,8 +7,8 @@ use anyhow::{bail, Context, Result};
 use headroom_memory::footprint::human_bytes;
 use headroom_memory::observe::{gpu_memory, host_memory};
 use headroom_memory::{
-    plan_split, planner_for, Allowances, Budget, Calibration, CalibrationEntry, CalibrationFile, CountingAllocator,
-    MemoryConfig, ModelShape, Planner, RequestShape, SplitInputs, WorkspaceSample, MIB,
+    plan_model_split, planner_for, Allowances, Bandwidths, Budget, Calibration, CalibrationEntry, CalibrationFile,
+    CountingAllocator, MemoryConfig, ModelShape, Planner, RequestShape, WorkspaceSample, MIB,
 };
 use headroom_model::{generate, CancelToken, CpuModel, GenerateRequest, ModelBundle, SamplingParams};
 
@@ -38,8 +38,9 @@ pub struct PlanArgs {
     /// `[memory] gpu_layers` setting).
     #[arg(long)]
     pub gpu_layers: Option<headroom_memory::GpuLayers>,
-    /// Requests the GPU worker runs at once, each guaranteed the split's minimum context.
-    #[arg(long, default_value_t = 4)]
+    /// Requests guaranteed the split's minimum context on the GPU at once. `headroom serve`
+    /// plans for one; more run there as memory allows (admission queues or redirects the rest).
+    #[arg(long, default_value_t = 1)]
     pub concurrency: u64,
     /// The GPU's memory bandwidth in GB/s for the split's speed estimate (default: the
     /// driver's figure for GPU 0; none without a GPU).
@@ -103,22 +104,15 @@ pub fn plan(bundle: &ModelBundle, mut config: MemoryConfig, args: PlanArgs) -> R
         ..Allowances::default()
     };
     let decision = planner.decide(request, allow, gpu.as_ref(), &host_budget, |_| None);
-    let wanted_layers = args.gpu_layers.unwrap_or(config.gpu_layers);
     let split = gpu.as_ref().map(|g| {
-        let gpu_shape = ModelShape::for_backend(bundle, "cuda", config.cpu_kv_cache);
-        let cpu_shape = ModelShape::for_backend(bundle, "cpu", config.cpu_kv_cache);
         // What the model may take: free VRAM (other programs' use out) less the reserve.
         let usable = g.observed_free_bytes.unwrap_or(g.total_bytes).min(g.total_bytes).saturating_sub(g.reserve_bytes);
-        let inputs = SplitInputs {
-            gpu_usable_bytes: usable,
-            min_context_tokens: config.split_min_context_tokens.min(shape.context),
-            requests: args.concurrency.max(1),
-            prefill_chunk: args.prefill_chunk,
-            margin_percent: config.fragmentation_margin_percent,
-            host_bandwidth: Some(args.host_bandwidth_gbs.map_or_else(headroom_model::cpu::measure_read_bandwidth, |g| g * 1e9)),
-            gpu_bandwidth: args.gpu_bandwidth_gbs.map(|g| g * 1e9).or_else(|| headroom_model::device::cuda_memory_bandwidth(0)),
+        let config = MemoryConfig { gpu_layers: args.gpu_layers.unwrap_or(config.gpu_layers), ..config.clone() };
+        let bandwidths = Bandwidths {
+            host: Some(args.host_bandwidth_gbs.map_or_else(headroom_model::cpu::measure_read_bandwidth, |g| g * 1e9)),
+            gpu: args.gpu_bandwidth_gbs.map(|g| g * 1e9).or_else(|| headroom_model::device::cuda_memory_bandwidth(0)),
         };
-        plan_split(&gpu_shape, &cpu_shape, &planner.calibration, inputs, wanted_layers)
+        plan_model_split(bundle, "cuda:0", &config, usable, args.concurrency, args.prefill_chunk, bandwidths)
     });
     let split = split
         .transpose()

@@ -156,7 +156,9 @@ impl Server {
         // Short queue waits and a small canary keep a CI run fast; everything else is default.
         let mut toml = String::from("[memory]\nmax_queue_wait_ms = 2000\n");
         if let Some(s) = sizing {
-            toml.push_str(&format!("vram_reserve_mib = {}\n", s.reserve_mib));
+            // The GPU is sized to hold the whole model and one short request: the layer plan
+            // guarantees that request's context, so it places every layer on the GPU.
+            toml.push_str(&format!("vram_reserve_mib = {}\nsplit_min_context_tokens = {}\n", s.reserve_mib, s.short_request_tokens));
         }
         toml.push_str("\n[queues]\ngpu_queue_capacity = 64\ncpu_queue_capacity = 64\n\n[supervision]\nhealth_interval_ms = 500\nprobe_canary_mib = 1\n");
         std::fs::write(&config, toml)?;
@@ -278,6 +280,8 @@ struct Sizing {
     weights_mib: f64,
     short_request_mib: f64,
     long_request_mib: f64,
+    /// Prompt and max_tokens of the longest short request.
+    short_request_tokens: u64,
 }
 
 fn plan_sizing(bundle: &ModelBundle, short_tokens: usize, long_tokens: usize, max_tokens: u32) -> Result<Sizing> {
@@ -304,7 +308,25 @@ fn plan_sizing(bundle: &ModelBundle, short_tokens: usize, long_tokens: usize, ma
         weights_mib: weights as f64 / MIB as f64,
         short_request_mib: short as f64 / MIB as f64,
         long_request_mib: long as f64 / MIB as f64,
+        short_request_tokens: short_tokens as u64 + max_tokens as u64,
     })
+}
+
+/// A sim GPU that holds the model only split: the smallest whole-MiB capacity at which the
+/// server's layer plan (same reserve and guaranteed context as `sizing`) puts at least half the
+/// layers, but not all, on it. Returns it and the layer count the plan chooses.
+fn split_sizing(bundle: &ModelBundle, sizing: &Sizing) -> Result<(Sizing, u32)> {
+    let config = MemoryConfig { vram_reserve_mib: Some(sizing.reserve_mib), split_min_context_tokens: sizing.short_request_tokens, ..MemoryConfig::default() };
+    let layers = bundle.config.num_hidden_layers as u32;
+    let chunk = GenerateRequest::new(vec![], 1, SamplingParams::default()).prefill_chunk as u64;
+    for mib in sizing.reserve_mib + 1..=sizing.sim_vram_mib {
+        let usable = (mib - sizing.reserve_mib) * MIB;
+        let plan = headroom_memory::plan_model_split(bundle, "sim", &config, usable, 1, chunk, Default::default()).map_err(anyhow::Error::msg)?;
+        if plan.gpu_layers >= (layers / 2).max(1) && plan.gpu_layers < layers {
+            return Ok((Sizing { sim_vram_mib: mib, room_mib: usable as f64 / MIB as f64, ..sizing.clone() }, plan.gpu_layers));
+        }
+    }
+    bail!("no whole-MiB sim GPU holds {} split with at least half its {layers} layers (each layer is too small); use a model with larger layers", bundle.name())
 }
 
 /// One request the harness sends.
@@ -345,6 +367,8 @@ pub struct Record {
     pub completed: bool,
     pub request_id: Option<String>,
     pub device: Option<String>,
+    /// `X-Headroom-Split` (GPU layers / layers) when the GPU worker ran the model split.
+    pub split: Option<String>,
     pub degraded: bool,
     /// The client was told: header, body field or stream notice.
     pub degraded_marked: bool,
@@ -409,6 +433,7 @@ async fn send(server: &Server, clock: &Clock, shot: Shot, started: Option<tokio:
         let header = |name: &str| response.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
         record.request_id = header("x-request-id");
         record.device = header("x-headroom-device");
+        record.split = header("x-headroom-split");
         let header_degraded = header("x-headroom-degraded").as_deref() == Some("true");
         if !response.status().is_success() {
             let body: Value = response.json().await.unwrap_or(Value::Null);
@@ -1123,6 +1148,47 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
     let checks_at = records.len();
     reconcile(&server, &mut records[..checks_at]).await;
 
+    // A second server whose sim GPU holds the model only split: traffic runs split, and faults
+    // fire at full load there too (an OOM mid-stream, kill -9 of the GPU worker).
+    let mut split_run: Option<(u32, u32, u64)> = None;
+    if let (true, Some(s)) = (sim, &sizing) {
+        let (split_sizing, gpu_layers) = split_sizing(bundle, s)?;
+        let layers = bundle.config.num_hidden_layers as u32;
+        split_run = Some((gpu_layers, layers, split_sizing.sim_vram_mib));
+        let split_server = Server::start(model_dir, args.gpu, Some(&split_sizing), &out.join("split-server"), &[]).await?;
+        let placed = split_server.status().await?["placement"].clone();
+        if placed["gpu_layers"].as_u64() != Some(gpu_layers as u64) {
+            bail!("the server did not plan the split of {gpu_layers} layers on a {} MiB sim GPU: {placed}", split_sizing.sim_vram_mib);
+        }
+        let first = records.len();
+        for stream in [false, true] {
+            let mode = if stream { "streaming" } else { "plain" };
+            eprintln!("pressure: split ({gpu_layers} of {layers} layers on the sim GPU), {mode} requests");
+            mark(&timeline, &clock, format!("split baseline ({mode})"));
+            records.extend(run_all(&split_server, &clock, (0..VERSES.len().min(2 * n)).map(|i| short("split_resident", "none", i, stream)).collect(), 1).await);
+            for &(scenario, fault) in &[("split_oom_mid_generation", "oom_mid_generation"), ("split_driver_reset", "kill_9_gpu_worker")] {
+                split_server.wait_gpu_restored(&clock, Duration::from_secs(60)).await?;
+                split_server.fault(json!({"fault": "slowdown", "factor": 40.0})).await?;
+                let burst: Vec<Shot> = (0..scale.full_load).map(|i| short(scenario, fault, i, stream)).collect();
+                let target = &split_server;
+                let fire = move || async move {
+                    match fault {
+                        "oom_mid_generation" => target.fault(json!({"fault": "oom_after_tokens", "tokens": max_tokens / 2})).await,
+                        _ => target.kill_gpu_worker().await.map(|_| ()),
+                    }
+                };
+                let (burst, fired_at) = at_full_load(&split_server, &clock, &timeline, format!("split: {fault} at full load ({mode})"), burst, fire).await?;
+                records.extend(burst);
+                recoveries.push(restore_after(&split_server, &clock, fault, stream, fired_at).await);
+                split_server.fault(json!({"fault": "clear"})).await?;
+            }
+        }
+        reconcile(&split_server, &mut records[first..]).await;
+        split_server.stop().await;
+    } else {
+        notes.push("the layer split runs on the sim GPU sized by the harness; on cuda use `headroom plan` and a model that does not fit".into());
+    }
+
     // An agent with a side-effecting mock tool, on a second server whose model always calls it.
     let agent = run_agent(args.gpu, &out.join("agent"), &clock, &timeline, scale.agent_tasks, &[]).await?;
 
@@ -1164,7 +1230,15 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
     let owed: Vec<&Record> = records.iter().filter(|r| r.accepted && !r.intended_cancel).collect();
     let success_percent = if owed.is_empty() { 100.0 } else { 100.0 * owed.iter().filter(|r| r.completed).count() as f64 / owed.len() as f64 };
     let worst_p95 = scenarios.iter().map(|s| s.p95_latency_ms).filter(|v| v.is_finite()).fold(0.0, f64::max);
-    let at_full_load = records.iter().filter(|r| matches!(r.scenario.as_str(), "oom_before_generation" | "oom_mid_generation" | "driver_reset")).count();
+    let at_full_load = records
+        .iter()
+        .filter(|r| matches!(r.scenario.as_str(), "oom_before_generation" | "oom_mid_generation" | "driver_reset" | "split_oom_mid_generation" | "split_driver_reset"))
+        .count();
+    // Split traffic the GPU served must say it ran split, with the planned layer count.
+    let split_records: Vec<&Record> = records.iter().filter(|r| r.scenario.starts_with("split_")).collect();
+    let split_on_gpu: Vec<&&Record> = split_records.iter().filter(|r| r.completed && r.device.as_deref() == Some("sim")).collect();
+    let split_header = split_run.map(|(g, l, _)| format!("{g}/{l}"));
+    let split_marked = split_on_gpu.iter().filter(|r| r.split == split_header).count();
     let criteria = vec![
         Criterion { name: "zero accepted requests lost".into(), passed: lost == 0 && agent.lost_calls == 0, detail: format!("{lost} lost of {} accepted; agent calls lost {}", records.iter().filter(|r| r.accepted).count(), agent.lost_calls) },
         Criterion { name: "zero duplicate side effects".into(), passed: agent.duplicate_side_effects == 0, detail: format!("{} duplicates over {} agent tasks ({} retries)", agent.duplicate_side_effects, agent.tasks, agent.retries) },
@@ -1188,6 +1262,14 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
             passed: equivalence.compared > 0 && equivalence.identical_percent >= scale.min_identical_percent,
             detail: format!("{} of {} CPU runs identical to the GPU's greedy text (threshold {}%)", equivalence.identical, equivalence.compared, scale.min_identical_percent),
         },
+        Criterion {
+            name: "split traffic ran split".into(),
+            passed: split_run.is_none() || (!split_on_gpu.is_empty() && split_marked == split_on_gpu.len()),
+            detail: match split_run {
+                Some((g, l, mib)) => format!("{split_marked} of {} split requests the {mib} MiB sim GPU served said X-Headroom-Split: {g}/{l} ({} split requests in all)", split_on_gpu.len(), split_records.len()),
+                None => "not run: the split needs the sim GPU sized by the harness".into(),
+            },
+        },
         Criterion { name: "p95 latency".into(), passed: worst_p95 <= scale.max_p95_ms, detail: format!("worst scenario p95 {worst_p95:.0} ms (threshold {:.0} ms)", scale.max_p95_ms) },
         Criterion { name: "GPU worker restored after each fault".into(), passed: unrestored.is_empty() && !recoveries.is_empty(), detail: if unrestored.is_empty() { format!("{} faults, all restored", recoveries.len()) } else { format!("not restored after {}", unrestored.join(", ")) } },
     ];
@@ -1198,7 +1280,13 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
     let profiles = json!({
         "gpu_resident": {"available": true, "requests": gpu_resident.iter().map(|s| s.completed).sum::<usize>(), "p95_latency_ms": gpu_resident.iter().map(|s| s.p95_latency_ms).fold(0.0, f64::max)},
         "cpu_fallback": {"available": true, "requests": fallback.iter().map(|s| s.completed).sum::<usize>(), "on_cpu": fallback.iter().map(|s| s.on_cpu).sum::<usize>(), "p95_latency_ms": fallback.iter().map(|s| s.p95_latency_ms).filter(|v| v.is_finite()).fold(0.0, f64::max)},
-        "layer_split": {"available": false, "reason": "Headroom runs each request whole on one worker; it has no planned CPU/GPU layer split, so none is measured"},
+        "layer_split": match split_run {
+            Some((gpu_layers, layers, mib)) => {
+                let split: Vec<&ScenarioSummary> = scenarios.iter().filter(|s| s.scenario.starts_with("split_")).collect();
+                json!({"available": true, "gpu_layers": gpu_layers, "layers": layers, "sim_vram_mib": mib, "requests": split.iter().map(|s| s.completed).sum::<usize>(), "on_cpu": split.iter().map(|s| s.on_cpu).sum::<usize>(), "p95_latency_ms": split.iter().map(|s| s.p95_latency_ms).filter(|v| v.is_finite()).fold(0.0, f64::max)})
+            }
+            None => json!({"available": false, "reason": "the split runs on the sim GPU sized by the harness"}),
+        },
         "note": if sim { sim_note } else { "CUDA GPU" },
         "skipped": notes,
     });

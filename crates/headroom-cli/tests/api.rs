@@ -53,6 +53,7 @@ async fn api_with(with_sim_gpu: bool, api_key: Option<&str>, settings_file: Opti
         api_key: api_key.map(str::to_string),
         sim_faults: with_sim_gpu,
         created_unix: 0,
+        placement: None,
     });
     let app = headroom_server::app(state, &ServerConfig::default());
     Api { app, dispatcher }

@@ -26,7 +26,7 @@ fn generate_streams_text_from_the_embedded_model() {
 #[test]
 fn cuda_without_a_driver_is_a_clear_error() {
     let out = headroom()
-        .args(["generate", "--prompt", "x", "--device", "cuda"])
+        .args(["generate", "--model", "kjv-demo", "--prompt", "x", "--device", "cuda"])
         .env("HEADROOM_DISABLE_CUDA", "1")
         .output()
         .unwrap();

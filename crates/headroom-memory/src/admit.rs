@@ -101,6 +101,9 @@ pub struct Planner {
     pub shape: ModelShape,
     pub calibration: Calibration,
     pub config: MemoryConfig,
+    /// A split model: the GPU holds the KV cache of its last this many layers alone (see
+    /// [`crate::split`]); the host path always holds the whole model's.
+    pub gpu_layers: Option<u64>,
 }
 
 /// Thousands separators for token counts in reasons.
@@ -155,17 +158,22 @@ impl Planner {
             shape,
             calibration,
             config,
+            gpu_layers: None,
         }
     }
 
-    /// The request on the device this planner is for.
+    /// The same planner for a model split with its last `gpu_layers` layers on the GPU.
+    pub fn split(self, gpu_layers: u64) -> Self {
+        Self { gpu_layers: Some(gpu_layers), ..self }
+    }
+
+    /// The request on the device this planner is for (of a split, the GPU's layers' share).
     pub fn footprint(&self, request: RequestShape) -> Footprint {
-        Footprint::estimate(
-            &self.shape,
-            request,
-            &self.calibration,
-            self.config.fragmentation_margin_percent,
-        )
+        let shape = match self.gpu_layers {
+            Some(n) => crate::split::gpu_part_shape(&self.shape, n),
+            None => self.shape.clone(),
+        };
+        Footprint::estimate(&shape, request, &self.calibration, self.config.fragmentation_margin_percent)
     }
 
     /// The request in host RAM on the CPU worker, whose KV cache has the configured

@@ -16,7 +16,7 @@ pub use config::MemoryConfig;
 pub use footprint::{Calibration, Footprint, ModelShape, RequestShape, WorkspaceSample, GIB, MIB};
 pub use ledger::{Insufficient, Ledger, Reservation};
 pub use observe::{CountingAllocator, GpuMemory, HostMemory, MemorySampler, Sample};
-pub use split::{plan_split, GpuLayers, SplitInputs, SplitPlan};
+pub use split::{gpu_part_shape, gpu_shape, plan_model_split, plan_split, Bandwidths, GpuLayers, SplitInputs, SplitPlan};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

@@ -143,6 +143,57 @@ impl LayerBytes {
     }
 }
 
+/// How a GPU device holds `bundle`: CUDA with 16-bit matrices and norms in f32, the sim GPU
+/// (any other label) with f32 weights, as its ledger charges them. The KV cache is f32 on both.
+pub fn gpu_shape(bundle: &headroom_model::ModelBundle, device_label: &str) -> ModelShape {
+    if device_label.starts_with("cuda") {
+        ModelShape::for_backend(bundle, "cuda", headroom_model::KvPrecision::F32)
+    } else {
+        ModelShape::from_config(&bundle.config)
+    }
+}
+
+/// `shape` as its last `gpu_layers` layers alone: a split's part on the GPU, whose KV cache per
+/// token is those layers' (what admission charges the GPU for a request there).
+pub fn gpu_part_shape(shape: &ModelShape, gpu_layers: u64) -> ModelShape {
+    ModelShape { layers: gpu_layers.min(shape.layers), ..shape.clone() }
+}
+
+/// The split of `bundle` on the GPU device `device_label` ("cuda:0", "sim") with
+/// `gpu_usable_bytes` to give it: the one plan `headroom plan` prints and `headroom serve` loads.
+/// It guarantees `requests` requests of `config.split_min_context_tokens` (at most the model's
+/// context) on the GPU's layers; further requests are admitted as memory allows, like any.
+pub fn plan_model_split(
+    bundle: &headroom_model::ModelBundle,
+    device_label: &str,
+    config: &crate::MemoryConfig,
+    gpu_usable_bytes: u64,
+    requests: u64,
+    prefill_chunk: u64,
+    bandwidths: Bandwidths,
+) -> Result<SplitPlan, String> {
+    let (planner, _) = crate::planner_for(bundle, crate::calibration::backend_key(device_label), config.clone());
+    let gpu = gpu_shape(bundle, device_label);
+    let cpu = ModelShape::for_backend(bundle, "cpu", config.cpu_kv_cache);
+    let inputs = SplitInputs {
+        gpu_usable_bytes,
+        min_context_tokens: config.split_min_context_tokens.min(gpu.context),
+        requests: requests.max(1),
+        prefill_chunk,
+        margin_percent: config.fragmentation_margin_percent,
+        host_bandwidth: bandwidths.host,
+        gpu_bandwidth: bandwidths.gpu,
+    };
+    plan_split(&gpu, &cpu, &planner.calibration, inputs, config.gpu_layers)
+}
+
+/// Read bandwidths in bytes/s for a split's speed estimate, where known.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Bandwidths {
+    pub host: Option<f64>,
+    pub gpu: Option<f64>,
+}
+
 /// Chooses the split for `wanted` layers on the GPU: the most that fit (`Auto`) or the count
 /// asked for, which is an error naming what fits when it does not.
 pub fn plan_split(

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use headroom_worker::protocol::{decode_body, encode_frame, frame_len};
-use headroom_worker::{Device, FailureKind, Fault, FromWorker, GenerateJob, MemoryReading, ToWorker, WorkerOptions, PROTOCOL_VERSION};
+use headroom_worker::{Device, FailureKind, Fault, FromWorker, GenerateJob, MemoryReading, SplitLayers, ToWorker, WorkerOptions, PROTOCOL_VERSION};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, ChildStdin, ChildStdout};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -44,6 +44,8 @@ pub struct ReadyInfo {
     pub max_concurrency: u32,
     pub load_ms: f64,
     pub simulated: bool,
+    /// The model runs split: its last layers on this GPU, the rest on the CPU in the worker.
+    pub split: Option<SplitLayers>,
 }
 
 /// A worker's health answer.
@@ -206,13 +208,14 @@ impl Worker {
         stdin.flush().await.ok();
         let ready = tokio::time::timeout(spec.load_timeout, ready_rx).await;
         let ready = match ready {
-            Ok(Ok(FromWorker::Ready { bundle_hash, model_name, context_tokens, max_concurrency, load_ms, .. })) => ReadyInfo {
+            Ok(Ok(FromWorker::Ready { bundle_hash, model_name, context_tokens, max_concurrency, load_ms, split, .. })) => ReadyInfo {
                 bundle_hash,
                 model_name,
                 context_tokens,
                 max_concurrency,
                 load_ms,
                 simulated,
+                split,
             },
             Ok(Ok(FromWorker::Failed { kind, message, .. })) => {
                 return Err(Error::Worker(format!("{device} worker could not load {}: {message} ({kind:?})", spec.model_dir.display())))

@@ -343,6 +343,27 @@ pub struct FailoverInfo {
     pub resumed_after_tokens: u32,
 }
 
+/// A model split between a GPU and the CPU: its last `gpu_layers` of `layers` run on the GPU,
+/// the first ones and the output head on the CPU, in the GPU worker's process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+pub struct SplitInfo {
+    pub gpu_layers: u32,
+    pub layers: u32,
+}
+
+impl From<headroom_worker::SplitLayers> for SplitInfo {
+    fn from(s: headroom_worker::SplitLayers) -> Self {
+        Self { gpu_layers: s.gpu_layers, layers: s.layers }
+    }
+}
+
+impl SplitInfo {
+    /// The `X-Headroom-Split` header: `22/32`, GPU layers of all layers.
+    pub fn header(&self) -> String {
+        format!("{}/{}", self.gpu_layers, self.layers)
+    }
+}
+
 /// Where and how a request was served; in every JSON body and the final stream chunk.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct HeadroomInfo {
@@ -354,6 +375,8 @@ pub struct HeadroomInfo {
     pub degraded_reason: Option<String>,
     /// Set when the CPU worker runs a smaller fallback model.
     pub fallback_model: Option<String>,
+    /// Set when the GPU worker that served it runs the model split with the CPU.
+    pub split: Option<SplitInfo>,
     pub failovers: Vec<FailoverInfo>,
     pub queued_ms: f64,
     /// Prefill and decode time the worker measured (the attempt that finished).
@@ -377,6 +400,7 @@ impl HeadroomInfo {
             degraded: o.degraded,
             degraded_reason: o.degraded_reason.clone(),
             fallback_model: o.fallback_model.clone(),
+            split: o.split.map(SplitInfo::from),
             failovers: o
                 .failovers
                 .iter()

@@ -33,8 +33,10 @@ pub const DEVICE: &str = "x-headroom-device";
 pub const DEGRADED: &str = "x-headroom-degraded";
 pub const DEGRADED_REASON: &str = "x-headroom-degraded-reason";
 pub const ESTIMATED_DELAY: &str = "x-headroom-estimated-delay-ms";
+/// Set when the GPU worker serving the request runs the model split: `gpu_layers/layers`.
+pub const SPLIT: &str = "x-headroom-split";
 /// Response headers a browser page may read.
-pub const EXPOSED_HEADERS: [&str; 6] = [REQUEST_ID, DEVICE, DEGRADED, DEGRADED_REASON, ESTIMATED_DELAY, "retry-after"];
+pub const EXPOSED_HEADERS: [&str; 7] = [REQUEST_ID, DEVICE, SPLIT, DEGRADED, DEGRADED_REASON, ESTIMATED_DELAY, "retry-after"];
 /// A client's stated timeout, in ms (also `headroom.timeout_ms` in the body).
 pub const TIMEOUT_HEADER: &str = "x-headroom-timeout-ms";
 
@@ -144,6 +146,9 @@ fn header_value(text: &str) -> HeaderValue {
 fn apply_placement(placement: &Placement, headers: &mut HeaderMap) {
     headers.insert(REQUEST_ID, header_value(&placement.request_id));
     headers.insert(DEVICE, header_value(&placement.device));
+    if let Some(split) = placement.split {
+        headers.insert(SPLIT, header_value(&openai::SplitInfo::from(split).header()));
+    }
     headers.insert(DEGRADED, HeaderValue::from_static(if placement.degraded() { "true" } else { "false" }));
     if let Some(r) = &placement.degraded_reason {
         headers.insert(DEGRADED_REASON, header_value(r));
@@ -491,6 +496,8 @@ pub struct WorkerInfo {
     pub simulated: bool,
     pub model: Option<String>,
     pub bundle_hash: Option<String>,
+    /// Set while this GPU worker runs the model split with the CPU.
+    pub split: Option<openai::SplitInfo>,
 }
 
 #[derive(Serialize, ToSchema)]
@@ -510,6 +517,11 @@ pub struct StatusBody {
     pub estimated_delay_ms: Option<u64>,
     #[schema(value_type = Object)]
     pub memory: Value,
+    /// Where the model's layers were planned to live at start: `placement` ("all on the GPU",
+    /// "split: 22 of 32 layers on the GPU", "all on the CPU"), each device's bytes, the reason,
+    /// and a split's predicted decode tokens/s (an upper bound from each device's bandwidth).
+    #[schema(value_type = Option<Object>)]
+    pub placement: Option<Value>,
 }
 
 fn status_body(state: &AppState) -> StatusBody {
@@ -526,6 +538,7 @@ fn status_body(state: &AppState) -> StatusBody {
             simulated: w.simulated,
             model: w.model.clone(),
             bundle_hash: w.bundle_hash.clone(),
+            split: w.split.map(openai::SplitInfo::from),
         })
         .collect();
     let memory = json!({
@@ -547,6 +560,11 @@ fn status_body(state: &AppState) -> StatusBody {
         queues: serde_json::to_value(&s.queues).unwrap_or_default(),
         estimated_delay_ms: s.estimated_delay_ms,
         memory,
+        placement: state.placement.as_ref().map(|p| {
+            let mut value = serde_json::to_value(p).unwrap_or_default();
+            value["placement"] = Value::from(p.placement());
+            value
+        }),
     }
 }
 

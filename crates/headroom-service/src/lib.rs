@@ -198,6 +198,40 @@ fn gpu_worker(choice: GpuChoice, sim_vram_mib: u64, cuda_device: u32) -> Result<
     }
 }
 
+/// Where the model's layers live on the GPU worker's device (`[memory] gpu_layers`): all of
+/// them when they fit with one request of `split_min_context_tokens`, otherwise the last ones
+/// that do (a split: `gpu.gpu_layers`), none when not one layer fits (the GPU worker is not
+/// started). An impossible fixed count is an error that says what fits.
+fn place_layers(bundle: &ModelBundle, gpu: &mut WorkerOptions, memory: &MemoryConfig) -> Result<Option<headroom_memory::SplitPlan>> {
+    let label = gpu.device.label();
+    let (total, free) = match gpu.device {
+        Device::Cuda(index) => match headroom_memory::observe::gpu_memory(index) {
+            Some(reading) => (reading.total_bytes, reading.free_bytes),
+            // No reading (NVML missing): load every layer and let admission find out.
+            None => return Ok(None),
+        },
+        _ => (gpu.sim_vram_mib * headroom_memory::MIB, gpu.sim_vram_mib * headroom_memory::MIB),
+    };
+    let usable = free.min(total).saturating_sub(memory.vram_reserve_bytes(total));
+    let chunk = headroom_model::generate::default_prefill_chunk() as u64;
+    let plan = |bandwidths| headroom_memory::plan_model_split(bundle, &label, memory, usable, 1, chunk, bandwidths);
+    let fix = |e: String| anyhow::anyhow!("{e}. Set `gpu_layers` in [memory] (or HEADROOM_GPU_LAYERS) to a count that fits, or to \"auto\".");
+    let mut placement = plan(Default::default()).map_err(fix)?;
+    if placement.gpu_layers > 0 && !placement.head_on_gpu {
+        // A split's speed estimate: the host's bandwidth measured (~2 s), the GPU's from its driver.
+        let bandwidths = headroom_memory::Bandwidths {
+            host: Some(headroom_model::cpu::measure_read_bandwidth()),
+            gpu: match gpu.device {
+                Device::Cuda(index) => headroom_model::device::cuda_memory_bandwidth(index as i32),
+                _ => None,
+            },
+        };
+        placement = plan(bandwidths).map_err(fix)?;
+        gpu.gpu_layers = Some(placement.gpu_layers);
+    }
+    Ok(Some(placement))
+}
+
 /// What an embedding app (the desktop shell) gets once the server listens.
 #[derive(Clone)]
 pub struct Running {
@@ -279,7 +313,15 @@ pub async fn run(
 
     let model_dir = resolve_model(&args.model);
     let bundle = ModelBundle::open(&model_dir).with_context(|| format!("cannot open the model folder {}", model_dir.display()))?;
-    let gpu = gpu_worker(args.gpu, args.sim_vram_mib, settings.gpu_device)?;
+    let mut gpu = gpu_worker(args.gpu, args.sim_vram_mib, settings.gpu_device)?;
+    let placement = match gpu.as_mut() {
+        Some(gpu) => place_layers(&bundle, gpu, &MemoryConfig { vram_reserve_mib: settings.vram_reserve_mib, ..memory.clone() })?,
+        None => None,
+    };
+    if let (Some(plan), Some(_)) = (&placement, &gpu) {
+        eprintln!("headroom: {}", plan.reason);
+    }
+    let gpu = gpu.filter(|_| placement.as_ref().is_none_or(|p| p.gpu_layers > 0));
     let mut cpu = WorkerOptions::new(Device::Cpu);
     cpu.max_concurrency = settings.cpu_max_concurrency;
     cpu.max_context_tokens = Some(settings.cpu_max_context_tokens);
@@ -295,6 +337,10 @@ pub async fn run(
         eprintln!("headroom: starting workers for {} ({})", bundle.name(), bundle.short_hash());
         let supervisor = Supervisor::start(config).await.context("cannot start the workers")?;
         let (planner, calibration) = headroom_memory::planner_for(&bundle, backend, memory.clone());
+        let planner = match placement.as_ref().filter(|p| p.gpu_layers > 0 && !p.head_on_gpu) {
+            Some(split) => planner.split(split.gpu_layers as u64),
+            None => planner,
+        };
         if !calibration.measured {
             eprintln!("headroom: memory estimates use defaults: {}", calibration.source);
         }
@@ -318,6 +364,7 @@ pub async fn run(
             api_key,
             sim_faults: args.gpu == GpuChoice::Sim,
             created_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+            placement,
         });
         let app = headroom_server::app(state, &server);
         let in_process = app.clone();

@@ -197,6 +197,11 @@ impl State {
             MemoryConfig { cpu_kv_cache: self.options.kv_cache, ..MemoryConfig::default() },
         );
         tracing::info!(source = %calibration.source, "workspace calibration");
+        // A split holds its GPU layers' share of each request's KV cache on the device.
+        let planner = match split {
+            Some(split) => planner.split(split.gpu_layers as u64),
+            None => planner,
+        };
         let context = self.context_limit(&bundle);
         let loaded = Arc::new(Loaded { bundle, engine, split, planner, _weights: weights });
         *self.loaded.lock().unwrap() = Some(loaded.clone());
@@ -560,11 +565,7 @@ impl State {
                 if self.faults.take_oom_next_allocation() {
                     return Err(refuse(FailureKind::Oom, "simulated out-of-memory allocating the KV cache".into()));
                 }
-                let mut footprint = loaded.planner.footprint(RequestShape::of(request));
-                // A split holds its GPU layers' share of the KV cache on the device.
-                if let Some(split) = loaded.split {
-                    footprint.kv_bytes = footprint.kv_bytes * split.gpu_layers as u64 / split.layers as u64;
-                }
+                let footprint = loaded.planner.footprint(RequestShape::of(request));
                 match ledger.try_reserve(id, footprint.request_bytes()) {
                     Ok(r) => Some(r),
                     Err(e) => return Err(refuse(FailureKind::Oom, format!("out of memory for the KV cache: {e}"))),
@@ -738,10 +739,7 @@ fn warm_up<M: Decoder>(model: &M, bundle: &ModelBundle, max_concurrency: u32) ->
 /// Bytes of weights the GPU device holds for `bundle`: CUDA's 16-bit matrices, the sim GPU's
 /// f32 model of them; of a split, its GPU layers' alone.
 fn device_weight_bytes(bundle: &ModelBundle, device: Device, split: Option<SplitLayers>) -> u64 {
-    let shape = match device {
-        Device::Cuda(_) => headroom_memory::ModelShape::for_backend(bundle, "cuda", Default::default()),
-        _ => headroom_memory::ModelShape::from_config(&bundle.config),
-    };
+    let shape = headroom_memory::gpu_shape(bundle, &device.label());
     match split {
         None => shape.weights_bytes(),
         Some(split) => headroom_memory::split::LayerBytes::of(&shape, &shape).gpu_layer * split.gpu_layers as u64,

@@ -46,6 +46,8 @@ pub struct WorkerSnapshot {
     pub simulated: bool,
     pub model: Option<String>,
     pub bundle_hash: Option<String>,
+    /// The model runs split between this GPU and the CPU.
+    pub split: Option<headroom_worker::SplitLayers>,
 }
 
 /// The whole service at one moment.
@@ -77,6 +79,8 @@ pub struct Placement {
     pub request_id: String,
     /// The device label (`cuda:0`, `sim`, `cpu`).
     pub device: String,
+    /// Served by a GPU worker that runs the model split between it and the CPU.
+    pub split: Option<headroom_worker::SplitLayers>,
     pub degraded_reason: Option<String>,
     pub estimated_delay_ms: Option<u64>,
 }
@@ -93,6 +97,7 @@ impl Completion {
         Placement {
             request_id: self.outcome.request_id.clone(),
             device: self.outcome.device.label(),
+            split: self.outcome.split,
             degraded_reason: self.outcome.degraded_reason.clone(),
             estimated_delay_ms: Some(0),
         }
@@ -150,8 +155,12 @@ impl Dispatcher {
         let s = &self.inner.supervisor;
         let status = s.status();
         let gpu = s.config().gpu.as_ref().map(|g| g.device);
+        let mut split = None;
         let (device, degraded_reason) = match (ticket.device_queue, gpu) {
-            (Some(Lane::Gpu), Some(gpu)) => (gpu.label(), None),
+            (Some(Lane::Gpu), Some(gpu)) => {
+                split = status.gpu.as_ref().and_then(|w| w.split);
+                (gpu.label(), None)
+            }
             (Some(lane), _) => (Device::Cpu.label(), degradation(&status, lane == Lane::Cpu, None, Some(&ticket.admission))),
             (None, _) => {
                 let record = self.inner.journal.get(&ticket.request_id).ok();
@@ -159,7 +168,7 @@ impl Dispatcher {
             }
         };
         let lane_delay = ticket.device_queue.and_then(|lane| if lane == Lane::Gpu { &self.inner.gpu } else { &*self.inner.cpu }.estimated_delay_ms());
-        Placement { request_id: ticket.request_id.clone(), device, degraded_reason, estimated_delay_ms: lane_delay.or_else(|| self.estimated_delay_ms()) }
+        Placement { request_id: ticket.request_id.clone(), device, split, degraded_reason, estimated_delay_ms: lane_delay.or_else(|| self.estimated_delay_ms()) }
     }
 }
 
@@ -172,5 +181,6 @@ fn snapshot(lane: Lane, device: Device, worker: Option<&crate::supervisor::Worke
         simulated: device == Device::Sim,
         model: worker.map(|w| w.model.clone()),
         bundle_hash: worker.map(|w| w.bundle_hash.clone()),
+        split: worker.and_then(|w| w.split),
     }
 }

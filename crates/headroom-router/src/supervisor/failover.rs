@@ -39,6 +39,9 @@ pub struct RunOutcome {
     /// The device that finished the request.
     pub device: Device,
     pub simulated: bool,
+    /// The model ran split between that GPU and the CPU.
+    #[serde(default)]
+    pub split: Option<headroom_worker::SplitLayers>,
     pub degraded: bool,
     pub degraded_reason: Option<String>,
     /// The CPU worker's smaller model, when it served the request.
@@ -184,6 +187,7 @@ impl Supervisor {
             request_id: run.request_id.clone(),
             device: worker.device,
             simulated: worker.ready.simulated,
+            split: worker.ready.split,
             degraded: degraded_reason.is_some(),
             degraded_reason,
             fallback_model,

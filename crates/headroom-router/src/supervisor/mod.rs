@@ -166,6 +166,9 @@ pub struct WorkerStatus {
     pub model: String,
     pub bundle_hash: String,
     pub load_ms: f64,
+    /// Where a split model's layers run (see [`headroom_worker::SplitLayers`]).
+    #[serde(default)]
+    pub split: Option<headroom_worker::SplitLayers>,
 }
 
 fn status_of(worker: &Worker) -> WorkerStatus {
@@ -176,6 +179,7 @@ fn status_of(worker: &Worker) -> WorkerStatus {
         model: worker.ready.model_name.clone(),
         bundle_hash: worker.ready.bundle_hash.clone(),
         load_ms: worker.ready.load_ms,
+        split: worker.ready.split,
     }
 }
 

@@ -96,6 +96,7 @@ impl WorkerLauncher for InProcessLauncher {
                 max_concurrency: state.max_concurrency as u32,
                 load_ms: 0.0,
                 simulated: device == Device::Sim,
+                split: None,
             };
             Ok(Worker::new(device, pid, ready, Box::new(Link(state))))
         })
