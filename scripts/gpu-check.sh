@@ -14,6 +14,9 @@
 #   run bench: issue 20's CUDA figures only: the 4M default on CUDA against the CPU engines, then
 #          (headroom-bench --cuda --only-cuda) the 4M, random ~100M and ~1.24B models at 1, 2, 4
 #          and 8 sequences, each beside its bandwidth bound.
+#   run split: issue 21's CUDA figures: `headroom model split-bench --device cuda` on the demo
+#          model with 0, 1, 2 (half) and 4 (all) of its layers on the GPU: decode tokens/s, the
+#          VRAM in use (NVML) and each device's bytes beside the plan's prediction.
 #          Everything lands in $OUT (log.txt, bench.json, serve.json).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -66,6 +69,13 @@ step "bench: the 4M default on cuda against the cpu engines"
 timeout 120 headroom-bench --runs 2 --cuda --skip-100m --json "$OUT/bench-default.json"
 step "bench: headroom on cuda only, 4M, ~100M and ~1.24B models, 1-8 sequences, bandwidth bounds"
 timeout 420 headroom-bench --runs 2 --cuda --only-cuda --random-1b --json "$OUT/bench-cuda.json"
+step done
+exit 0
+fi
+
+if [ "${2:-all}" = split ]; then
+step "split: the demo model with 0, 1, 2 and 4 of its 4 layers on cuda:0"
+timeout 300 headroom model split-bench kjv-demo --device cuda --gpu-layers 0,1,2,4 --runs 3 | tee "$OUT/split-bench.jsonl"
 step done
 exit 0
 fi

@@ -57,6 +57,9 @@ if ./target/debug/headroom pressure --profile ci --gpu sim --model kjv-demo --co
 fi
 grep -q "pressure run failed: zero duplicate side effects" target/pressure-control.log
 
+step "bench: decode tokens/s as the sim GPU's share of the model's layers varies (headroom model split-bench; reported, never a pass criterion)"
+./target/debug/headroom model split-bench kjv-demo --runs 2 | tee target/split-bench.jsonl
+
 
 step "web UI end-to-end: Debian's Chromium (playwright-core) against headroom serve --gpu sim; screenshots in docs/screenshots"
 npm --prefix ui run e2e

@@ -99,16 +99,31 @@ pub fn install(app: &AppHandle, shell: Shell) {
     });
 }
 
-/// Sets the icon and tooltip for where the service stands.
-fn show_state(tray: &Tray, degraded: bool, paused: bool, reason: &str) {
+/// Sets the icon and tooltip for where the service stands; `layers` (see [`layers_note`]) says
+/// where a healthy GPU's model runs.
+fn show_state(tray: &Tray, degraded: bool, paused: bool, reason: &str, layers: &str) {
     let (rgb, tip) = match (degraded, paused) {
         (true, _) => (DEGRADED, format!("Headroom: degraded, {reason}")),
         (false, true) => (PAUSED, "Headroom: GPU paused; serving from the CPU".to_string()),
-        (false, false) => (HEALTHY, "Headroom: GPU healthy".to_string()),
+        (false, false) if layers.is_empty() => (HEALTHY, "Headroom: GPU healthy".to_string()),
+        (false, false) => (HEALTHY, format!("Headroom: GPU healthy; {layers}")),
     };
     let _ = tray.icon.set_icon(Some(dot(rgb)));
     let _ = tray.icon.set_tooltip(Some(tip));
     let _ = tray.pause_gpu.set_checked(paused);
+}
+
+/// "split: 22 of 32 layers on the GPU, up to 41 tokens/s" for a split model (the `placement`
+/// of `/v1/status`); empty when every layer runs on one device.
+fn layers_note(placement: &serde_json::Value) -> String {
+    let (Some(gpu), Some(all)) = (placement["gpu_layers"].as_u64(), placement["layers"].as_u64()) else { return String::new() };
+    if gpu == 0 || gpu == all {
+        return String::new();
+    }
+    match placement["predicted_decode_tok_s"].as_f64() {
+        Some(speed) => format!("split: {gpu} of {all} layers on the GPU, up to {speed:.0} tokens/s"),
+        None => format!("split: {gpu} of {all} layers on the GPU"),
+    }
 }
 
 async fn follow_degraded(app: &AppHandle, tray: Option<&Tray>, shell: &Shell) -> Result<(), String> {
@@ -117,6 +132,7 @@ async fn follow_degraded(app: &AppHandle, tray: Option<&Tray>, shell: &Shell) ->
     let mut buffer = Vec::new();
     let mut degraded = false;
     let mut paused = false;
+    let mut layers = String::new();
     while let Some(chunk) = body.next().await {
         buffer.extend_from_slice(&chunk.map_err(|e| e.to_string())?);
         for data in headroom_server::sse::complete_sse_data(&mut buffer) {
@@ -126,8 +142,10 @@ async fn follow_degraded(app: &AppHandle, tray: Option<&Tray>, shell: &Shell) ->
                 Some("gpu_paused") => event["paused"].as_bool(),
                 None => {
                     let has_gpu = event["workers"].as_array().is_some_and(|w| w.iter().any(|w| w["kind"] == "gpu"));
+                    layers = layers_note(&event["placement"]);
                     if let Some(tray) = tray {
                         let _ = tray.pause_gpu.set_enabled(has_gpu);
+                        show_state(tray, degraded, paused, "", &layers);
                     }
                     event["gpu_paused"].as_bool()
                 }
@@ -136,7 +154,7 @@ async fn follow_degraded(app: &AppHandle, tray: Option<&Tray>, shell: &Shell) ->
             if let Some(now) = paused_now.filter(|p| *p != paused) {
                 paused = now;
                 if let Some(tray) = tray {
-                    show_state(tray, degraded, paused, "");
+                    show_state(tray, degraded, paused, "", &layers);
                 }
             }
             // The first event is the status body (no `event` field), saying where the service
@@ -154,7 +172,7 @@ async fn follow_degraded(app: &AppHandle, tray: Option<&Tray>, shell: &Shell) ->
             }
             degraded = now;
             if let Some(tray) = tray {
-                show_state(tray, degraded, paused, &reason);
+                show_state(tray, degraded, paused, &reason, &layers);
             }
             let title = if degraded { "Headroom: serving from the CPU" } else { "Headroom: GPU restored" };
             let shown = catch_unwind(AssertUnwindSafe(|| app.notification().builder().title(title).body(&reason).show()));
@@ -166,4 +184,18 @@ async fn follow_degraded(app: &AppHandle, tray: Option<&Tray>, shell: &Shell) ->
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    #[test]
+    fn the_tooltip_names_a_split_and_its_speed() {
+        let split = json!({"gpu_layers": 22, "layers": 32, "predicted_decode_tok_s": 40.6});
+        assert_eq!(super::layers_note(&split), "split: 22 of 32 layers on the GPU, up to 41 tokens/s");
+        assert_eq!(super::layers_note(&json!({"gpu_layers": 22, "layers": 32})), "split: 22 of 32 layers on the GPU");
+        assert_eq!(super::layers_note(&json!({"gpu_layers": 32, "layers": 32})), "");
+        assert_eq!(super::layers_note(&serde_json::Value::Null), "");
+    }
 }

@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { applyChunk, emptyReply, formatDelay, MemoryHistory, modelLine, settingsForm, settingsPatch, splitSse, statusView } from "./logic";
+import { applyChunk, emptyReply, formatDelay, MemoryHistory, modelLine, placementLine, settingsForm, settingsPatch, splitSse, statusView } from "./logic";
 
 const gpuWorker = { kind: "gpu", device: "sim", state: "ready", simulated: true };
 const cpuWorker = { kind: "cpu", device: "cpu", state: "ready", simulated: false };
@@ -24,6 +24,24 @@ describe("status bar", () => {
   });
 });
 
+describe("layer placement", () => {
+  const plan = { layers: 4, gpu_layers: 2, head_on_gpu: false, gpu_weights_bytes: 6 * 1048576, cpu_weights_bytes: 10 * 1048576, predicted_decode_tok_s: 812.4, reason: "split: …" };
+
+  it("says a split's layers, each device's weights and the expected speed", () => {
+    expect(placementLine({ placement: plan })).toBe(
+      "split: the last 2 of 4 layers on the GPU (6 MiB), the first 2 and the output head on the CPU (10 MiB) · expected up to 812 tokens/s",
+    );
+    expect(placementLine({ placement: { ...plan, gpu_layers: 4, head_on_gpu: true } })).toBe("all 4 layers on the GPU (6 MiB of weights)");
+    expect(placementLine({ placement: { ...plan, gpu_layers: 0, reason: "not one layer fits" } })).toBe("all 4 layers on the CPU: not one layer fits");
+    expect(placementLine({})).toBeNull();
+  });
+
+  it("marks a healthy GPU that runs the model split", () => {
+    const split = { ...gpuWorker, split: { gpu_layers: 2, layers: 4 } };
+    expect(statusView({ degraded: false, workers: [split, cpuWorker], placement: plan }).label).toBe("GPU healthy (simulated): sim · split, 2 of 4 layers");
+  });
+});
+
 describe("settings form", () => {
   const current = { vram_reserve_mib: null, gpu_paused: false, fallback_model: null, cpu_max_concurrency: 1, cpu_max_context_tokens: 8192, gpu_device: 0 };
 
@@ -34,6 +52,17 @@ describe("settings form", () => {
     expect(settingsPatch(current, { ...form, vramReserveMib: " 1500 ", gpuPaused: true }).patch).toEqual({ vram_reserve_mib: 1500, gpu_paused: true });
     const reserved = { ...current, vram_reserve_mib: 1500, fallback_model: "/models/small" };
     expect(settingsPatch(reserved, { ...settingsForm(reserved), vramReserveMib: "", fallbackModel: "" }).patch).toEqual({ vram_reserve_mib: null, fallback_model: null });
+  });
+
+  it("sends GPU layers as auto, a count, or null for the config file's", () => {
+    const form = settingsForm(current);
+    expect(form.gpuLayers).toBe("");
+    expect(settingsPatch(current, { ...form, gpuLayers: "auto" }).patch).toEqual({ gpu_layers: "auto" });
+    expect(settingsPatch(current, { ...form, gpuLayers: " 12 " }).patch).toEqual({ gpu_layers: 12 });
+    const twelve = { ...current, gpu_layers: 12 };
+    expect(settingsForm(twelve).gpuLayers).toBe("12");
+    expect(settingsPatch(twelve, { ...settingsForm(twelve), gpuLayers: "" }).patch).toEqual({ gpu_layers: null });
+    expect(settingsPatch(current, { ...form, gpuLayers: "half" }).error).toBe('GPU layers: "half" is not "auto" or a whole number');
   });
 
   it("names a field that is not a whole number, or missing", () => {

@@ -15,6 +15,8 @@ export interface StatusView {
   estimatedDelayMs: number | null;
   /** The served model: name, format and quantization, parameters and file size. */
   model: string | null;
+  /** Where the model's layers live (see [`placementLine`]). */
+  placement: string | null;
 }
 
 function formatCount(n: number): string {
@@ -34,12 +36,25 @@ export function modelLine(status: Json): string | null {
   return parts.join(" · ");
 }
 
+const mib = (bytes: number) => `${Math.round(bytes / 1048576).toLocaleString("en")} MiB`;
+
+/** Where the server placed the model's layers at start (`placement` of `/v1/status`): all on
+ *  the GPU, or split with each device's share and the split's expected speed. */
+export function placementLine(status: Json): string | null {
+  const p: Json | null = status.placement ?? null;
+  if (!p || typeof p.layers !== "number") return null;
+  if (p.gpu_layers === 0) return `all ${p.layers} layers on the CPU: ${p.reason}`;
+  if (p.head_on_gpu) return `all ${p.layers} layers on the GPU (${mib(p.gpu_weights_bytes)} of weights)`;
+  const speed = typeof p.predicted_decode_tok_s === "number" ? ` · expected up to ${Math.round(p.predicted_decode_tok_s)} tokens/s` : "";
+  return `split: the last ${p.gpu_layers} of ${p.layers} layers on the GPU (${mib(p.gpu_weights_bytes)}), the first ${p.layers - p.gpu_layers} and the output head on the CPU (${mib(p.cpu_weights_bytes)})${speed}`;
+}
+
 /** The status bar: GPU healthy, degraded (CPU serving GPU requests) or unavailable, and why. */
 export function statusView(status: Json): StatusView {
   const workers: Json[] = status.workers ?? [];
   const gpu = workers.find((w) => w.kind === "gpu");
   const delay = typeof status.estimated_delay_ms === "number" ? status.estimated_delay_ms : null;
-  const base = { simulated: !!gpu?.simulated, gpuDevice: gpu?.device ?? null, estimatedDelayMs: delay, model: modelLine(status) };
+  const base = { simulated: !!gpu?.simulated, gpuDevice: gpu?.device ?? null, estimatedDelayMs: delay, model: modelLine(status), placement: placementLine(status) };
   if (!gpu) {
     return { ...base, health: "cpu-only", label: "CPU only", reason: "no GPU worker is configured" };
   }
@@ -59,7 +74,8 @@ export function statusView(status: Json): StatusView {
   if (gpu.state === "down" || gpu.state === "starting") {
     return { ...base, health: "starting", label: `GPU starting${sim}`, reason: "requests go to the CPU worker until it is ready" };
   }
-  return { ...base, health: "healthy", label: `GPU healthy${sim}: ${gpu.device}`, reason: null };
+  const split = gpu.split ? ` · split, ${gpu.split.gpu_layers} of ${gpu.split.layers} layers` : "";
+  return { ...base, health: "healthy", label: `GPU healthy${sim}: ${gpu.device}${split}`, reason: null };
 }
 
 /** The settings form: text fields as typed, so a half-typed number is not lost. */
@@ -70,6 +86,8 @@ export interface SettingsForm {
   cpuMaxConcurrency: string;
   cpuMaxContextTokens: string;
   gpuDevice: string;
+  /** "auto", a count, or empty for the config file's. */
+  gpuLayers: string;
 }
 
 export function settingsForm(s: Json): SettingsForm {
@@ -80,6 +98,7 @@ export function settingsForm(s: Json): SettingsForm {
     cpuMaxConcurrency: String(s.cpu_max_concurrency ?? ""),
     cpuMaxContextTokens: String(s.cpu_max_context_tokens ?? ""),
     gpuDevice: String(s.gpu_device ?? 0),
+    gpuLayers: s.gpu_layers == null ? "" : String(s.gpu_layers),
   };
 }
 
@@ -105,6 +124,13 @@ export function settingsPatch(current: Json, form: SettingsForm): { patch: Json;
     if (value === null && !optional) return { patch: {}, error: `${label} is required` };
     if (value !== current[key]) patch[key] = value;
   }
+  const layersText = form.gpuLayers.trim();
+  let layers: number | string | null = layersText === "" ? null : layersText;
+  if (layers !== null && layers !== "auto") {
+    if (!/^\d+$/.test(layersText)) return { patch: {}, error: `GPU layers: "${layersText}" is not "auto" or a whole number` };
+    layers = Number(layersText);
+  }
+  if (layers !== (current.gpu_layers ?? null)) patch.gpu_layers = layers;
   if (form.gpuPaused !== !!current.gpu_paused) patch.gpu_paused = form.gpuPaused;
   const fallback = form.fallbackModel.trim() || null;
   if (fallback !== (current.fallback_model ?? null)) patch.fallback_model = fallback;

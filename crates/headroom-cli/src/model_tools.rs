@@ -57,6 +57,27 @@ pub enum ModelCommand {
         #[arg(long, value_delimiter = ',')]
         concurrency: Vec<usize>,
     },
+    /// Decode speed as the GPU's share of the layers varies: for each count of `--gpu-layers`
+    /// (0: the CPU engine alone; all: the GPU engine alone; between: a split), one greedy
+    /// generation's median tokens/s beside each device's bytes and the plan's bandwidth-bound
+    /// prediction. `--device sim` runs the GPU's layers in burn's ndarray backend, as the sim
+    /// GPU does (its speed is the CPU's, not a GPU's); `cuda` on CUDA device 0. One JSON object
+    /// per count.
+    SplitBench {
+        #[arg(default_value = "default")]
+        model: String,
+        /// Layer counts on the GPU (comma-separated; default: 0, a quarter, half, all).
+        #[arg(long, value_delimiter = ',')]
+        gpu_layers: Vec<u32>,
+        #[arg(long, default_value = "sim")]
+        device: String,
+        #[arg(long, default_value_t = 32)]
+        prompt_tokens: usize,
+        #[arg(long, default_value_t = 32)]
+        decode_tokens: usize,
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+    },
     /// Writes one tensor of a GGUF file, dequantized, as little-endian f32 (for comparing with
     /// other readers).
     Tensor {
@@ -83,6 +104,9 @@ pub fn run(command: ModelCommand) -> Result<()> {
             bench(&crate::open_bundle(&model)?, &shape, kv, !no_bandwidth)
         }
         ModelCommand::Inspect { model, json } => inspect(&crate::open_bundle(&model)?, json),
+        ModelCommand::SplitBench { model, gpu_layers, device, prompt_tokens, decode_tokens, runs } => {
+            split_bench(&crate::open_bundle(&model)?, &gpu_layers, &device, prompt_tokens, decode_tokens, runs.max(1))
+        }
         ModelCommand::Tokenize { model } => {
             let bundle = crate::open_bundle(&model)?;
             let mut out = std::io::stdout().lock();
@@ -173,6 +197,113 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// Median prefill and decode tokens/s of `runs` greedy generations after a warm-up (on CUDA,
+/// with the GPU's memory in use while the model is loaded, from NVML).
+fn generation_speed<M: headroom_model::Decoder>(model: &M, bundle: &ModelBundle, request: &headroom_model::GenerateRequest, runs: usize) -> Result<(f64, f64)> {
+    let cancel = headroom_model::CancelToken::new();
+    let (mut prefill, mut decode) = (Vec::new(), Vec::new());
+    for run in 0..=runs {
+        let g = headroom_model::generate(model, bundle, request, &cancel, |_| {})?;
+        if run > 0 {
+            prefill.push(g.prefill_tokens_per_s());
+            decode.push(g.decode_tokens_per_s());
+        }
+    }
+    Ok((median(prefill), median(decode)))
+}
+
+fn split_bench(bundle: &ModelBundle, counts: &[u32], device: &str, prompt_tokens: usize, decode_tokens: usize, runs: usize) -> Result<()> {
+    use headroom_model::{CpuBackend, GenerateRequest, SamplingParams, SplitModel};
+    let layers = bundle.config.num_hidden_layers as u32;
+    let counts = if counts.is_empty() { vec![0, layers / 4, layers / 2, layers] } else { counts.to_vec() };
+    if let Some(n) = counts.iter().find(|&&n| n > layers) {
+        anyhow::bail!("--gpu-layers {n}: {} has {layers} layers; give counts from 0 to {layers}", bundle.name());
+    }
+    let label = match device {
+        "sim" => "sim".to_string(),
+        "cuda" => "cuda:0".to_string(),
+        other => anyhow::bail!("--device {other}: use sim (burn's ndarray backend) or cuda"),
+    };
+    let vocab = bundle.config.vocab_size as u32;
+    let prompt: Vec<u32> = (0..prompt_tokens as u32).map(|i| 1000.min(vocab / 2) + (i * 7919) % (vocab / 2)).collect();
+    let mut request = GenerateRequest::new(prompt, decode_tokens, SamplingParams::default());
+    request.ignore_eos = true;
+    let host = headroom_model::cpu::measure_read_bandwidth();
+    let gpu_bandwidth = (device == "cuda").then(|| headroom_model::device::cuda_memory_bandwidth(0)).flatten();
+    let gpu_shape = headroom_memory::gpu_shape(bundle, &label);
+    let cpu_shape = headroom_memory::ModelShape::for_backend(bundle, "cpu", Default::default());
+    let calibration = headroom_memory::planner_for(bundle, "cpu", Default::default()).0.calibration;
+    for n in counts {
+        // The plan for exactly this count on a GPU with room for anything.
+        let inputs = headroom_memory::SplitInputs {
+            gpu_usable_bytes: u64::MAX / 4,
+            min_context_tokens: (prompt_tokens + decode_tokens) as u64,
+            requests: 1,
+            prefill_chunk: request.prefill_chunk as u64,
+            margin_percent: 0.0,
+            host_bandwidth: Some(host),
+            gpu_bandwidth,
+        };
+        let plan = headroom_memory::plan_split(&gpu_shape, &cpu_shape, &calibration, inputs, headroom_memory::GpuLayers::Count(n)).map_err(anyhow::Error::msg)?;
+        let (prefill, decode, vram) = match (device, n) {
+            (_, 0) => {
+                let (p, d) = generation_speed(&bundle.load_cpu(|_, _| {})?, bundle, &request, runs)?;
+                (p, d, None)
+            }
+            ("sim", n) if n == layers => {
+                let (p, d) = generation_speed(&bundle.load::<CpuBackend>(&Default::default(), |_, _| {})?, bundle, &request, runs)?;
+                (p, d, None)
+            }
+            ("sim", n) => {
+                let (p, d) = generation_speed(&SplitModel::<CpuBackend>::load(bundle, n as usize, &Default::default(), burn::tensor::DType::F32)?, bundle, &request, runs)?;
+                (p, d, None)
+            }
+            (_, n) => cuda_speed(bundle, n, &request, runs)?,
+        };
+        println!(
+            "{}",
+            serde_json::json!({
+                "model": bundle.name(),
+                "device": label,
+                "gpu_layers": n,
+                "layers": layers,
+                "placement": plan.placement(),
+                "prefill_tok_s": prefill,
+                "decode_tok_s": decode,
+                "gpu_weights_bytes": plan.gpu_weights_bytes,
+                "cpu_weights_bytes": plan.cpu_weights_bytes,
+                "predicted_decode_tok_s": plan.predicted_decode_tok_s,
+                "host_read_bandwidth_gb_s": host / 1e9,
+                "gpu_bandwidth_gb_s": gpu_bandwidth.map(|b| b / 1e9),
+                "vram_used_bytes": vram,
+            })
+        );
+    }
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_speed(bundle: &ModelBundle, n: u32, request: &headroom_model::GenerateRequest, runs: usize) -> Result<(f64, f64, Option<u64>)> {
+    if let headroom_model::device::CudaProbe::Unavailable { reason } = headroom_model::device::probe_cuda() {
+        anyhow::bail!("--device cuda: {reason}");
+    }
+    let device = burn_cuda::CudaDevice::new(0);
+    let vram = || headroom_memory::observe::gpu_memory(0).map(|m| m.used_bytes);
+    if n == bundle.config.num_hidden_layers as u32 {
+        let model = bundle.load_as::<burn_cuda::Cuda<f32>>(&device, bundle.gpu_matrix_dtype(), |_, _| {})?;
+        let (p, d) = generation_speed(&model, bundle, request, runs)?;
+        return Ok((p, d, vram()));
+    }
+    let model = headroom_model::SplitModel::<burn_cuda::Cuda<f32>>::load(bundle, n as usize, &device, bundle.gpu_matrix_dtype())?;
+    let (p, d) = generation_speed(&model, bundle, request, runs)?;
+    Ok((p, d, vram()))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_speed(_: &ModelBundle, _: u32, _: &headroom_model::GenerateRequest, _: usize) -> Result<(f64, f64, Option<u64>)> {
+    anyhow::bail!("--device cuda: this headroom was built without the `cuda` feature")
+}
+
 struct BenchShape {
     prompt_tokens: usize,
     decode_tokens: usize,
@@ -184,7 +315,7 @@ struct BenchShape {
 fn bench(bundle: &ModelBundle, shape: &BenchShape, kv: KvArg, measure_bandwidth: bool) -> Result<()> {
     use headroom_memory::observe::{process_resident, reset_resident_peak};
     let BenchShape { prompt_tokens, decode_tokens, runs, .. } = *shape;
-    use headroom_model::{generate, CancelToken, GenerateRequest, SamplingParams};
+    use headroom_model::{GenerateRequest, SamplingParams};
     let kv_precision = match kv {
         KvArg::F32 => headroom_model::KvPrecision::F32,
         KvArg::F16 => headroom_model::KvPrecision::F16,
@@ -202,15 +333,7 @@ fn bench(bundle: &ModelBundle, shape: &BenchShape, kv: KvArg, measure_bandwidth:
     let mut request = GenerateRequest::new(prompt, decode_tokens, SamplingParams::default());
     request.prefill_chunk = prompt_tokens;
     request.ignore_eos = true;
-    let cancel = CancelToken::new();
-    let (mut prefill, mut decode) = (Vec::new(), Vec::new());
-    for run in 0..=runs {
-        let g = generate(&model, bundle, &request, &cancel, |_| {})?;
-        if run > 0 {
-            prefill.push(g.prefill_tokens_per_s());
-            decode.push(g.decode_tokens_per_s());
-        }
-    }
+    let (prefill_tok_s, decode_tok_s) = generation_speed(&model, bundle, &request, runs)?;
     // Resident memory the model and its requests added (measured before the bandwidth test's
     // buffer), against what admission predicts for this request on the CPU: weights as loaded,
     // KV cache at this precision, calibrated workspace.
@@ -242,7 +365,6 @@ fn bench(bundle: &ModelBundle, shape: &BenchShape, kv: KvArg, measure_bandwidth:
         concurrent.push((n, median(rates)));
     }
     let bandwidth = measure_bandwidth.then(headroom_model::cpu::measure_read_bandwidth);
-    let decode_tok_s = median(decode);
     // A decode step reads every weight once (the embedding only for its one row, unless it is
     // also the output head).
     let weight_bytes = model.bytes_read_per_token() as f64;
@@ -258,7 +380,7 @@ fn bench(bundle: &ModelBundle, shape: &BenchShape, kv: KvArg, measure_bandwidth:
         "prompt_tokens": prompt_tokens,
         "decode_tokens": decode_tokens,
         "runs": runs,
-        "prefill_tok_s": median(prefill),
+        "prefill_tok_s": prefill_tok_s,
         "decode_tok_s": decode_tok_s,
         "bytes_read_per_token": weight_bytes,
         "weight_bytes": model.weight_bytes(),

@@ -323,7 +323,9 @@ fn split_sizing(bundle: &ModelBundle, sizing: &Sizing) -> Result<(Sizing, u32)> 
         let usable = (mib - sizing.reserve_mib) * MIB;
         let plan = headroom_memory::plan_model_split(bundle, "sim", &config, usable, 1, chunk, Default::default()).map_err(anyhow::Error::msg)?;
         if plan.gpu_layers >= (layers / 2).max(1) && plan.gpu_layers < layers {
-            return Ok((Sizing { sim_vram_mib: mib, room_mib: usable as f64 / MIB as f64, ..sizing.clone() }, plan.gpu_layers));
+            let room = usable.saturating_sub(plan.gpu_weights_bytes) as f64 / MIB as f64;
+            let weights = plan.gpu_weights_bytes as f64 / MIB as f64;
+            return Ok((Sizing { sim_vram_mib: mib, room_mib: room, weights_mib: weights, ..sizing.clone() }, plan.gpu_layers));
         }
     }
     bail!("no whole-MiB sim GPU holds {} split with at least half its {layers} layers (each layer is too small); use a model with larger layers", bundle.name())
@@ -1182,6 +1184,16 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
                 recoveries.push(restore_after(&split_server, &clock, fault, stream, fired_at).await);
                 split_server.fault(json!({"fault": "clear"})).await?;
             }
+            // A competing program takes the room the split's requests had: they go to the CPU
+            // (the plan stays as made at start), and none is lost.
+            let competitor = split_sizing.room_mib.ceil() as u64;
+            mark(&timeline, &clock, format!("split: competitor {competitor} MiB ({mode})"));
+            split_server.fault(json!({"fault": "compete", "mib": competitor})).await?;
+            split_server.wait_competing(competitor * MIB).await?;
+            let burst = (0..scale.concurrent / 2).map(|i| short("split_vram_squeeze", "competing_workload", i, stream)).collect();
+            records.extend(run_all(&split_server, &clock, burst, scale.concurrent / 2).await);
+            split_server.fault(json!({"fault": "clear"})).await?;
+            split_server.wait_competing(0).await?;
         }
         reconcile(&split_server, &mut records[first..]).await;
         split_server.stop().await;

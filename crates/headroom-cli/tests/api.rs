@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use headroom_memory::MemoryConfig;
+use headroom_memory::{MemoryConfig, SplitPlan};
 use headroom_model::ModelBundle;
 use headroom_router::{Dispatcher, Journal, QueueConfig, RequestState, Settings, SettingsFile, Supervisor, SupervisorConfig};
 use headroom_server::{AppState, Limits, ServerConfig};
@@ -30,6 +30,11 @@ async fn api_saving_settings(with_sim_gpu: bool, api_key: Option<&str>, settings
 
 /// An API whose service starts with `settings` in force (as `serve` does with a saved file).
 async fn api_with(with_sim_gpu: bool, api_key: Option<&str>, settings_file: Option<SettingsFile>, settings: Settings) -> Api {
+    api_placed(with_sim_gpu, api_key, settings_file, settings, None).await
+}
+
+/// The same, with the layer plan `serve` made at start.
+async fn api_placed(with_sim_gpu: bool, api_key: Option<&str>, settings_file: Option<SettingsFile>, settings: Settings, placement: Option<SplitPlan>) -> Api {
     let model_dir = headroom_model::bundle::resolve_model(headroom_model::bundle::DEMO_MODEL);
     let sim = with_sim_gpu.then(|| {
         let mut sim = WorkerOptions::new(Device::Sim);
@@ -53,7 +58,7 @@ async fn api_with(with_sim_gpu: bool, api_key: Option<&str>, settings_file: Opti
         api_key: api_key.map(str::to_string),
         sim_faults: with_sim_gpu,
         created_unix: 0,
-        placement: None,
+        placement,
     });
     let app = headroom_server::app(state, &ServerConfig::default());
     Api { app, dispatcher }
@@ -305,6 +310,46 @@ async fn wait_for_status(api: &Api, what: &str, ready: impl Fn(&Value) -> bool) 
 
 fn gpu_worker(status: &Value) -> &Value {
     status["workers"].as_array().unwrap().iter().find(|w| w["kind"] == "gpu").unwrap()
+}
+
+/// `gpu_layers` in Settings: a count the model does not have, or more layers than the start's
+/// plan found room for, is a 400 that says what fits; "auto" and a count that fits are saved
+/// for the next start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gpu_layers_setting_says_what_fits() {
+    let bundle = ModelBundle::open(headroom_model::bundle::resolve_model(headroom_model::bundle::DEMO_MODEL)).unwrap();
+    // The plan of a sim GPU with room for two of the demo model's four layers.
+    let plan = (1..4096u64)
+        .map(|kib| headroom_memory::plan_model_split(&bundle, "sim", &MemoryConfig::default(), kib * 1024 * 16, 1, 256, Default::default()).unwrap())
+        .find(|p| p.most_gpu_layers == 2)
+        .expect("some size holds two layers");
+    let api = api_placed(true, None, None, Settings::default(), Some(plan)).await;
+    let status = api.call("GET", "/v1/status", &[], None).await.json();
+    assert_eq!(status["placement"]["placement"], "split: 2 of 4 layers on the GPU", "{status}");
+    for (body, says) in [
+        (r#"{"gpu_layers": 9}"#, "kjv-demo has 4 layers"),
+        (r#"{"gpu_layers": 3}"#, "at most 2 of the 4 layers fit"),
+        (r#"{"gpu_layers": "lots"}"#, r#"gpu_layers must be "auto" or a layer count"#),
+    ] {
+        let r = api.call("PATCH", "/v1/settings", &[], Some(body.into())).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{body}: {}", r.text);
+        assert!(r.json()["error"]["message"].as_str().unwrap().contains(says), "{body}: {}", r.text);
+    }
+    for (body, value) in [(r#"{"gpu_layers": 2}"#, json!(2)), (r#"{"gpu_layers": "auto"}"#, json!("auto")), (r#"{"gpu_layers": null}"#, Value::Null)] {
+        let r = api.call("PATCH", "/v1/settings", &[], Some(body.into())).await;
+        assert_eq!(r.status, StatusCode::OK, "{body}: {}", r.text);
+        assert_eq!(r.json()["settings"]["gpu_layers"], value, "{body}");
+        assert_eq!(r.json()["restart_required"], json!(["gpu_layers"]), "{body}");
+    }
+}
+
+/// Its negative control: with the check switched off, a count that does not fit is accepted.
+#[test]
+fn the_gpu_layers_check_fails_when_switched_off() {
+    if std::env::var_os("HEADROOM_TEST_DEFECT").is_none() {
+        let stdout = headroom_model::failing_with_defect("the_gpu_layers_setting_says_what_fits", "gpu-layers-unchecked");
+        assert!(stdout.contains("gpu_layers\": 3"), "with the defect the test failed otherwise: {stdout}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -184,6 +184,14 @@ impl Planner {
         Footprint::estimate(&shape, request, &self.calibration, self.config.fragmentation_margin_percent)
     }
 
+    /// A split request's share of host RAM: the KV cache of the layers the CPU runs in the GPU
+    /// worker (f32, as the split's CPU part holds it). None unless the model runs split.
+    pub fn split_host_footprint(&self, request: RequestShape) -> Option<Footprint> {
+        let gpu_layers = self.gpu_layers?;
+        let shape = ModelShape { layers: self.shape.layers.saturating_sub(gpu_layers), kv_value_bytes: 4, ..self.shape.clone() };
+        Some(Footprint::estimate(&shape, request, &self.calibration, self.config.fragmentation_margin_percent))
+    }
+
     /// The largest max_tokens whose footprint fits in `available` bytes, if any.
     pub fn max_tokens_fitting(&self, request: RequestShape, available: u64) -> Option<u64> {
         let (mut lo, mut hi) = (0u64, request.max_tokens);

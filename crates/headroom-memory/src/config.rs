@@ -124,6 +124,9 @@ impl MemoryConfig {
         if let Some(v) = env_parse("HEADROOM_GPU_LAYERS")? {
             self.gpu_layers = v;
         }
+        if let Some(v) = env_parse("HEADROOM_SPLIT_MIN_CONTEXT_TOKENS")? {
+            self.split_min_context_tokens = v;
+        }
         self.validate()
     }
 
@@ -133,6 +136,9 @@ impl MemoryConfig {
                 "vram_reserve_percent must be between 0 and 90, got {}",
                 self.vram_reserve_percent
             )));
+        }
+        if self.split_min_context_tokens == 0 {
+            return Err(Error::Config("split_min_context_tokens must be at least 1 (the context a request is guaranteed on the GPU's layers)".into()));
         }
         if !(0.0..=100.0).contains(&self.fragmentation_margin_percent) {
             return Err(Error::Config(format!(

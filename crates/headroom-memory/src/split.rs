@@ -87,6 +87,10 @@ pub struct SplitPlan {
     pub cpu_kv_bytes: u64,
     pub context_tokens: u64,
     pub requests: u64,
+    /// VRAM the plan could give the model (free less the reserve), and the most layers that fit
+    /// in it: what a fixed `gpu_layers` may ask for.
+    pub gpu_usable_bytes: u64,
+    pub most_gpu_layers: u32,
     /// Decode tokens/s of one sequence if each part streams its weights at its device's
     /// bandwidth: an upper bound (none without both bandwidths).
     pub predicted_decode_tok_s: Option<f64>,
@@ -239,12 +243,16 @@ pub fn plan_split(
             cpu_kv_bytes: bytes.cpu_kv_per_token * cpu_layers * tokens,
             context_tokens: inputs.min_context_tokens,
             requests: inputs.requests,
+            gpu_usable_bytes: inputs.gpu_usable_bytes,
+            most_gpu_layers: 0,
             predicted_decode_tok_s: predicted,
             reason: String::new(),
         }
     };
     let fits = |p: &SplitPlan| p.gpu_bytes() <= inputs.gpu_usable_bytes;
     let most = (0..=layers).rev().map(plan).find(|p| fits(p)).expect("no layers on the GPU always fits");
+    let plan = |n: u32| SplitPlan { most_gpu_layers: most.gpu_layers, ..plan(n) };
+    let most = plan(most.gpu_layers);
     let need = |p: &SplitPlan| {
         format!(
             "{} of weights, {} of KV cache for {} requests × {} tokens, {} of workspace and margin",
@@ -389,5 +397,23 @@ mod tests {
         assert!(read("gpu_layers = \"most\"").unwrap_err().contains("\"auto\" or a layer count"));
         assert_eq!("7".parse(), Ok(GpuLayers::Count(7)));
         assert!("x".parse::<GpuLayers>().is_err());
+    }
+
+    /// A split's requests: the GPU is charged the KV cache of its layers, the host that of the
+    /// CPU's (f32), and a whole model's planner charges the host nothing extra.
+    #[test]
+    fn a_split_charges_each_device_the_kv_cache_of_its_own_layers() {
+        let (gpu, _) = shapes();
+        let planner = crate::Planner::new(gpu, Calibration::default(), crate::MemoryConfig::default());
+        let request = crate::RequestShape { prompt_tokens: 1000, max_tokens: 24, prefill_chunk: 256 };
+        let whole = planner.footprint(request);
+        let split = planner.clone().split(4);
+        let on_gpu = split.footprint(request);
+        let on_host = split.split_host_footprint(request).expect("a split holds layers in host RAM");
+        // Llama 3.2 1B: 16 layers, 4 on the GPU.
+        assert_eq!(on_gpu.kv_bytes * 16, whole.kv_bytes * 4);
+        assert_eq!(on_host.kv_bytes * 16, whole.kv_bytes * 12);
+        assert_eq!(on_gpu.workspace_bytes, whole.workspace_bytes, "a step's workspace is one layer's, whatever the count");
+        assert!(planner.split_host_footprint(request).is_none());
     }
 }

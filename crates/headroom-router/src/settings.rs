@@ -28,6 +28,10 @@ pub struct Settings {
     pub cpu_max_context_tokens: u32,
     /// The CUDA device index of the GPU worker. Takes effect at the next start.
     pub gpu_device: u32,
+    /// Transformer layers the GPU holds: "auto" (as many as fit, the rest run on the CPU) or a
+    /// count (0: all on the CPU); null: the config's `[memory] gpu_layers`. Takes effect at the
+    /// next start.
+    pub gpu_layers: Option<headroom_memory::GpuLayers>,
 }
 
 impl Default for Settings {
@@ -40,12 +44,13 @@ impl Default for Settings {
             cpu_max_concurrency: cpu.max_concurrency,
             cpu_max_context_tokens: cpu.max_context_tokens.unwrap_or(8192),
             gpu_device: 0,
+            gpu_layers: None,
         }
     }
 }
 
 /// Settings that only a restart applies.
-pub const RESTART_SETTINGS: [&str; 1] = ["gpu_device"];
+pub const RESTART_SETTINGS: [&str; 2] = ["gpu_device", "gpu_layers"];
 
 impl Settings {
     /// Checks every value; the error names the setting and what it accepts.

@@ -604,8 +604,36 @@ async fn settings(State(state): Shared) -> Json<SettingsBody> {
 )]
 async fn update_settings(State(state): Shared, body: Result<Bytes, BytesRejection>) -> Result<Json<SettingsBody>, ApiError> {
     let (patch, _): (Value, Bytes) = parse_body(body)?;
+    check_gpu_layers(&state, &patch)?;
     let update = state.dispatcher.update_settings(&patch).await?;
     Ok(Json(SettingsBody { settings: update.settings, changed: update.changed, restart_required: update.restart_required, file: state.dispatcher.settings_path() }))
+}
+
+/// A fixed `gpu_layers` must fit: at most the layers the start's plan found room for (with its
+/// guaranteed context) on the GPU, and no more than the model has.
+fn check_gpu_layers(state: &AppState, patch: &Value) -> Result<(), ApiError> {
+    let Some(Ok(headroom_memory::GpuLayers::Count(n))) = patch.get("gpu_layers").filter(|v| !v.is_null()).map(|v| serde_json::from_value(v.clone())) else {
+        return Ok(());
+    };
+    let layers = state.bundle.config.num_hidden_layers as u32;
+    if n > layers {
+        return Err(ApiError::invalid("gpu_layers", format!("gpu_layers = {n}, but {} has {layers} layers; give at most {layers}, or \"auto\"", state.model_id)));
+    }
+    // Test-only: the fit is not checked (the negative control of the API test).
+    let checked = !headroom_model::test_defect("gpu-layers-unchecked");
+    if let Some(plan) = state.placement.as_ref().filter(|p| checked && n > p.most_gpu_layers) {
+        return Err(ApiError::invalid(
+            "gpu_layers",
+            format!(
+                "gpu_layers = {n} does not fit: at most {} of the {layers} layers fit in the {} the GPU can give the model (free VRAM less the reserve) with {} tokens of context; give at most {}, or \"auto\"",
+                plan.most_gpu_layers,
+                headroom_memory::footprint::human_bytes(plan.gpu_usable_bytes),
+                plan.context_tokens,
+                plan.most_gpu_layers
+            ),
+        ));
+    }
+    Ok(())
 }
 
 #[utoipa::path(get, path = "/v1/events", description = "Server-sent service events (breaker, degraded, workers, failovers, memory samples, queue depth), one JSON object each, named by their `event` field.", responses((status = 200, description = "text/event-stream")))]

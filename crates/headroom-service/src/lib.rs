@@ -315,7 +315,18 @@ pub async fn run(
     let bundle = ModelBundle::open(&model_dir).with_context(|| format!("cannot open the model folder {}", model_dir.display()))?;
     let mut gpu = gpu_worker(args.gpu, args.sim_vram_mib, settings.gpu_device)?;
     let placement = match gpu.as_mut() {
-        Some(gpu) => place_layers(&bundle, gpu, &MemoryConfig { vram_reserve_mib: settings.vram_reserve_mib, ..memory.clone() })?,
+        Some(gpu) => {
+            let planned = MemoryConfig { vram_reserve_mib: settings.vram_reserve_mib, gpu_layers: settings.gpu_layers.unwrap_or(memory.gpu_layers), ..memory.clone() };
+            match place_layers(&bundle, gpu, &planned) {
+                // A count saved from Settings that no longer fits (less free VRAM than when it
+                // was chosen) must not stop the service: place what fits, and say so.
+                Err(e) if settings.gpu_layers.is_some() => {
+                    eprintln!("headroom: the gpu_layers setting does not fit now ({e:#}); placing as many layers as fit");
+                    place_layers(&bundle, gpu, &MemoryConfig { gpu_layers: headroom_memory::GpuLayers::Auto, ..planned })?
+                }
+                placed => placed?,
+            }
+        }
         None => None,
     };
     if let (Some(plan), Some(_)) = (&placement, &gpu) {

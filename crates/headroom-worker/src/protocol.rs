@@ -180,6 +180,10 @@ pub struct MemoryReading {
     pub used_bytes: Option<u64>,
     /// Held by the model's weights.
     pub weights_bytes: u64,
+    /// Weights a GPU worker holds in host RAM: a split model's CPU part (embedding, first
+    /// layers, head). 0 otherwise.
+    #[serde(default)]
+    pub host_weights_bytes: u64,
     /// Held by admitted requests' reservations.
     pub reserved_bytes: u64,
     /// Held by a (simulated) competing program.

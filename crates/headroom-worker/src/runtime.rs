@@ -336,10 +336,17 @@ impl State {
                 (_, device) => device_weight_bytes(&l.bundle, device, l.split),
             })
             .unwrap_or(0);
+        let host_weights_bytes = match loaded.as_ref().map(|l| &l.engine) {
+            Some(Engine::SimSplit(model)) => model.cpu_weight_bytes() as u64,
+            #[cfg(feature = "cuda")]
+            Some(Engine::CudaSplit(model, _)) => model.cpu_weight_bytes() as u64,
+            _ => 0,
+        };
         let mut reading = MemoryReading {
             device: self.options.device.label(),
             simulated: self.options.device == Device::Sim,
             weights_bytes,
+            host_weights_bytes,
             host: headroom_memory::observe::host_memory(),
             ..Default::default()
         };

@@ -51,10 +51,12 @@ impl Dispatcher {
         // so the predicted budget is what requests can have beside the loaded model, not only
         // what the OS sees free.
         let cpu_weights = self.inner.supervisor.cpu_worker().and_then(|w| w.memory().borrow().as_ref().map(|r| r.weights_bytes)).unwrap_or(0);
+        // A split GPU worker holds its CPU part's weights in host RAM too.
+        let split_weights = self.inner.supervisor.gpu_worker().and_then(|w| w.memory().borrow().as_ref().map(|r| r.host_weights_bytes)).unwrap_or(0);
         Budget {
             total_bytes: ledger.capacity_bytes() + reserve,
             reserve_bytes: reserve,
-            weights_bytes: cpu_weights,
+            weights_bytes: cpu_weights + split_weights,
             held_bytes: ledger.held_bytes(),
             observed_free_bytes: host.map(|h| h.available_bytes),
         }

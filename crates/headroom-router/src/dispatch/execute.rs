@@ -63,6 +63,8 @@ impl Dispatcher {
                         lane.leave(shape.prompt_tokens, shape.max_tokens);
                         self.queue_changed(lane);
                         x.queued_ms += queued_at.elapsed().as_secs_f64() * 1000.0;
+                        // A split's host share is released before the CPU path's is awaited.
+                        x.host = None;
                         x.host = Some(self.join_cpu_after_gpu(&x.id, shape, &cancel, &events, &why).await?);
                         x.admission = why;
                         x.on_gpu = false;
@@ -191,6 +193,7 @@ impl Dispatcher {
             x.skip_slot = true;
             return Ok(());
         }
+        x.host = None;
         x.host = Some(self.join_cpu_after_gpu(&x.id, x.shape, cancel, events, &reason).await?);
         Ok(())
     }

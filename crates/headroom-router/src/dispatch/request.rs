@@ -207,16 +207,21 @@ impl Dispatcher {
                 estimated_delay_ms: delay,
             });
         }
-        let host_reservation = if lane.lane == Lane::Cpu {
-            match self.inner.host_ledger.try_reserve(id, self.inner.planner.host_footprint(shape).request_bytes()) {
+        // The CPU path holds the request in host RAM; so does a split GPU worker, for the
+        // layers its CPU part runs.
+        let host_bytes = match lane.lane {
+            Lane::Cpu => Some((self.inner.planner.host_footprint(shape).request_bytes(), "the CPU path")),
+            Lane::Gpu => self.inner.planner.split_host_footprint(shape).map(|f| (f.request_bytes(), "the split model's CPU layers")),
+        };
+        let host_reservation = match host_bytes {
+            Some((bytes, what)) => match self.inner.host_ledger.try_reserve(id, bytes) {
                 Ok(r) => Some(r),
                 Err(e) => {
                     lane.waiting.fetch_sub(1, Ordering::SeqCst);
-                    return Err(LaneRefusal { reason: format!("not enough host RAM for the CPU path: {e}"), retry_after_s: 5, estimated_delay_ms: None });
+                    return Err(LaneRefusal { reason: format!("not enough host RAM for {what}: {e}"), retry_after_s: 5, estimated_delay_ms: None });
                 }
-            }
-        } else {
-            None
+            },
+            None => None,
         };
         lane.join(id, shape.prompt_tokens, shape.max_tokens);
         self.queue_changed(lane);
