@@ -180,7 +180,9 @@ try {
     const reply = page.getByTestId("reply").last();
     await page.locator('[data-testid=reply][data-request-id^="req_"]').nth((await page.getByTestId("reply").count()) - 1).waitFor({ timeout: 30_000 });
     const id = await reply.getAttribute("data-request-id");
-    await page.getByTestId("stop").click();
+    // The button moves while the reply grows the list (and while a banner comes or goes): a
+    // click event, not a pointer waiting for it to stand still.
+    await page.getByTestId("stop").dispatchEvent("click");
     await page.getByTestId("send").waitFor({ timeout: 10_000 });
     await reply.getByText("stopped").waitFor();
     let state = "";

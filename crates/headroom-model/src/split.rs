@@ -74,11 +74,6 @@ impl<B: Backend> SplitModel<B> {
         self.gpu.layers.len()
     }
 
-    /// The CPU part: its weights and KV precision.
-    pub fn cpu_part(&mut self) -> &mut CpuModel {
-        &mut self.cpu
-    }
-
     /// Bytes the CPU part holds (embedding, its layers, norm and head).
     pub fn cpu_weight_bytes(&self) -> usize {
         self.cpu.weight_bytes()
