@@ -288,6 +288,60 @@ async fn one_request_gpu(memory: MemoryConfig) -> Dispatcher {
     d
 }
 
+/// A dispatcher over a sim GPU worker holding 2 of the demo model's 4 layers, sized so that a
+/// long request's KV cache for those two layers fits beside their weights and its cache for
+/// all four would not; and that long request.
+async fn split_gpu_with_room_for_its_share() -> (Dispatcher, Submission) {
+    use headroom_memory::footprint::{ModelShape, MIB};
+    use headroom_memory::RequestShape;
+    let bundle = ModelBundle::open(model_dir()).unwrap();
+    let memory = MemoryConfig { vram_reserve_mib: Some(64), ..MemoryConfig::default() };
+    let (planner, _) = headroom_memory::planner_for(&bundle, "cpu", memory.clone());
+    let long = submission("long", &"And God said, Let there be light: and there was light. ".repeat(40), 24, None);
+    let r = &long.run.request;
+    let shape = RequestShape { prompt_tokens: r.prompt_tokens.len() as u64, max_tokens: 24, prefill_chunk: r.prefill_chunk as u64 };
+    let (whole, share) = (planner.footprint(shape).request_bytes(), planner.clone().split(2).footprint(shape).request_bytes());
+    // The sim device holds the split's f32 layers: 2 of the 4.
+    let c = &bundle.config;
+    let (h, q, kv) = (c.hidden_size, c.num_attention_heads * c.head_dim(), c.kv_heads() * c.head_dim());
+    let weights = 2 * (2 * h * q + 2 * h * kv + 3 * h * c.intermediate_size + 2 * h) as u64 * 4;
+    assert!(weights < ModelShape::from_config(c).weights_bytes());
+    let vram_mib = (65..4096u64)
+        .find(|mib| ((mib - 64) * MIB).checked_sub(weights).is_some_and(|free| free >= share && free < whole))
+        .unwrap_or_else(|| panic!("no whole-MiB sim GPU holds {share} bytes but not {whole} beside {weights}"));
+    let mut config = supervisor_config(true);
+    let gpu = config.gpu.as_mut().unwrap();
+    gpu.sim_vram_mib = vram_mib;
+    gpu.gpu_layers = Some(2);
+    let supervisor = Supervisor::start(config).await.unwrap();
+    let d = Dispatcher::start(supervisor, Journal::in_memory().unwrap(), planner, memory, QueueConfig::default(), Settings::default(), None).unwrap().0;
+    (d, long)
+}
+
+/// A split GPU worker is charged for the layers it holds: a long request whose KV cache for the
+/// whole model would not fit beside the weights, but whose share for the GPU's 2 of 4 layers
+/// does, runs there, split.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_split_gpu_worker_is_charged_its_layers_share_of_a_request() {
+    let (d, long) = split_gpu_with_room_for_its_share().await;
+    d.submit(submission("warm", "And God said", 8, None)).unwrap().finish().await.unwrap();
+    let done = d.submit(long).unwrap().finish().await.unwrap();
+    assert_eq!(done.outcome.device, "sim", "the long request ran on {} ({:?}): admission charged the split GPU more than its layers hold", done.outcome.device, done.outcome.degraded_reason);
+    assert_eq!(done.outcome.split, Some(headroom_worker::SplitLayers { gpu_layers: 2, layers: 4 }));
+    d.supervisor().shutdown().await;
+}
+
+/// Its negative control: charged for the whole model's KV cache, the request leaves the GPU.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_split_gpu_worker_charged_for_the_whole_model_fails_the_check() {
+    let (d, long) = split_gpu_with_room_for_its_share().await;
+    d.reintroduce_defect_for_test(Defect::SplitChargedWhole);
+    d.submit(submission("warm", "And God said", 8, None)).unwrap().finish().await.unwrap();
+    let done = d.submit(long).unwrap().finish().await.unwrap();
+    assert_eq!(done.outcome.device, "cpu", "charged for the whole model the request does not fit the split GPU");
+    d.supervisor().shutdown().await;
+}
+
 /// A free GPU slot is not free GPU memory: on a sim GPU whose budget holds one request, a burst
 /// of four runs one at a time on it (the others wait for its memory), and all finish.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -347,11 +347,9 @@ pub async fn run(
         config.gpu_paused = settings.gpu_paused;
         eprintln!("headroom: starting workers for {} ({})", bundle.name(), bundle.short_hash());
         let supervisor = Supervisor::start(config).await.context("cannot start the workers")?;
+        // A split GPU worker's share of each request follows from its `Ready` (the dispatcher's
+        // planner is the whole model's).
         let (planner, calibration) = headroom_memory::planner_for(&bundle, backend, memory.clone());
-        let planner = match placement.as_ref().filter(|p| p.gpu_layers > 0 && !p.head_on_gpu) {
-            Some(split) => planner.split(split.gpu_layers as u64),
-            None => planner,
-        };
         if !calibration.measured {
             eprintln!("headroom: memory estimates use defaults: {}", calibration.source);
         }

@@ -26,6 +26,17 @@ impl Dispatcher {
         })
     }
 
+    /// The memory planner for the GPU worker as it runs now: a split worker is charged for the
+    /// layers it says it loaded (`Ready { split }`), so admission follows what each GPU worker
+    /// holds, whatever was asked of it.
+    pub(super) fn planner(&self) -> Planner {
+        let planner = self.inner.planner.clone();
+        match self.inner.supervisor.gpu_worker().and_then(|w| w.ready.split) {
+            Some(split) if !self.has_defect(Defect::SplitChargedWhole) => planner.split(split.gpu_layers as u64),
+            _ => planner,
+        }
+    }
+
     /// The VRAM kept free for other programs: the settings' reserve, else the config's rule.
     pub(super) fn vram_reserve_bytes(&self, total: u64) -> u64 {
         match self.inner.settings.lock().unwrap().vram_reserve_mib {
@@ -65,7 +76,7 @@ impl Dispatcher {
     /// Waits (in the GPU lane, holding a GPU slot) until the request's GPU memory is granted.
     pub(super) async fn wait_for_gpu_memory(&self, sub: &Submission, queued_at: Instant, cancel: &CancelSignal) -> GpuWait {
         let inner = &self.inner;
-        let needs = inner.planner.footprint(RequestShape::of(&sub.run.request)).request_bytes();
+        let needs = self.planner().footprint(RequestShape::of(&sub.run.request)).request_bytes();
         let max_wait = Duration::from_millis(sub.allow.max_wait_ms.unwrap_or(inner.memory.max_queue_wait_ms));
         loop {
             if self.gpu_budget().is_none() {

@@ -87,6 +87,9 @@ pub enum Defect {
     NoCpuLaneCheck,
     /// Journal write errors are dropped.
     IgnoreJournalErrors,
+    /// A split GPU worker is charged each request's KV cache for the whole model, not for the
+    /// layers it holds.
+    SplitChargedWhole,
 }
 
 /// A request that has been launched and has not ended.

@@ -113,9 +113,9 @@ impl Dispatcher {
         let gpu_budget = self.gpu_budget();
         let gpu_eta = self.inner.gpu.estimated_delay_ms();
         let admission = if self.inner.supervisor.gpu_paused() && self.gpu_configured() {
-            self.inner.planner.decide_without_gpu("the GPU is paused in settings", shape, allow, &self.host_budget())
+            self.planner().decide_without_gpu("the GPU is paused in settings", shape, allow, &self.host_budget())
         } else {
-            self.inner.planner.decide(shape, allow, gpu_budget.as_ref(), &self.host_budget(), |_| gpu_eta)
+            self.planner().decide(shape, allow, gpu_budget.as_ref(), &self.host_budget(), |_| gpu_eta)
         };
         let gpu_grant = match &admission {
             Admission::Gpu { .. } | Admission::Shrink { .. } => {
@@ -123,7 +123,7 @@ impl Dispatcher {
                     Admission::Shrink { max_tokens, .. } => *max_tokens,
                     _ => shape.max_tokens,
                 };
-                let bytes = self.inner.planner.footprint(RequestShape { max_tokens, ..shape }).request_bytes();
+                let bytes = self.planner().footprint(RequestShape { max_tokens, ..shape }).request_bytes();
                 self.inner.gpu_ledger.try_reserve(id, bytes).ok()
             }
             // A queued request is granted its memory when it leaves the queue.
@@ -210,8 +210,8 @@ impl Dispatcher {
         // The CPU path holds the request in host RAM; so does a split GPU worker, for the
         // layers its CPU part runs.
         let host_bytes = match lane.lane {
-            Lane::Cpu => Some((self.inner.planner.host_footprint(shape).request_bytes(), "the CPU path")),
-            Lane::Gpu => self.inner.planner.split_host_footprint(shape).map(|f| (f.request_bytes(), "the split model's CPU layers")),
+            Lane::Cpu => Some((self.planner().host_footprint(shape).request_bytes(), "the CPU path")),
+            Lane::Gpu => self.planner().split_host_footprint(shape).map(|f| (f.request_bytes(), "the split model's CPU layers")),
         };
         let host_reservation = match host_bytes {
             Some((bytes, what)) => match self.inner.host_ledger.try_reserve(id, bytes) {
@@ -246,7 +246,7 @@ impl Dispatcher {
             lane.forget(id);
             return Err(self.end_in_queue(lane, id, shape.prompt_tokens, shape.max_tokens, journal_failure(&e)));
         }
-        let bytes = self.inner.planner.host_footprint(shape).request_bytes();
+        let bytes = self.planner().host_footprint(shape).request_bytes();
         loop {
             match self.inner.host_ledger.try_reserve(id, bytes) {
                 Ok(r) => return Ok(r),
