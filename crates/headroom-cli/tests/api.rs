@@ -346,10 +346,7 @@ async fn the_gpu_layers_setting_says_what_fits() {
 /// Its negative control: with the check switched off, a count that does not fit is accepted.
 #[test]
 fn the_gpu_layers_check_fails_when_switched_off() {
-    if std::env::var_os("HEADROOM_TEST_DEFECT").is_none() {
-        let stdout = headroom_model::failing_with_defect("the_gpu_layers_setting_says_what_fits", "gpu-layers-unchecked");
-        assert!(stdout.contains("gpu_layers\": 3"), "with the defect the test failed otherwise: {stdout}");
-    }
+    headroom_model::assert_control_fails("the_gpu_layers_setting_says_what_fits", "gpu-layers-unchecked", "gpu_layers\": 3");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

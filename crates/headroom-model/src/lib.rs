@@ -101,3 +101,14 @@ pub fn failing_with_defect(test: &str, defect: &str) -> String {
     assert!(!output.status.success() && stdout.contains("1 failed"), "with the defect the check still passed: {stdout}");
     stdout
 }
+
+/// The negative control of `test`: runs it with `defect` switched on ([`failing_with_defect`])
+/// and asserts that it fails saying `says`. Does nothing inside another control's child run.
+#[doc(hidden)]
+pub fn assert_control_fails(test: &str, defect: &str, says: &str) {
+    if std::env::var_os("HEADROOM_TEST_DEFECT").is_some() {
+        return;
+    }
+    let stdout = failing_with_defect(test, defect);
+    assert!(stdout.contains(says), "with the defect {defect}, {test} failed otherwise: {stdout}");
+}

@@ -3,12 +3,15 @@
 //! on the default model, with sequences of different lengths joining and leaving at different
 //! steps, a resumed checkpoint and a sampled request among them.
 
+mod support;
+
 use std::path::Path;
 
 use headroom_model::batch::generate_together;
 use headroom_model::fixture::{tiny_config, write_gguf_from_folder, write_random_folder, write_random_packed_gguf};
 use headroom_model::quants::GgmlType;
 use headroom_model::{generate, CancelToken, CpuBackend, Decoder, GenerateRequest, Llama, LlamaConfig, ModelBundle, Next, SamplingParams, StoreDtype};
+use support::lone_steps;
 
 /// Hidden sizes that are whole K-quant super-blocks (256).
 fn packed_config() -> LlamaConfig {
@@ -46,15 +49,7 @@ fn batched_decode_steps_equal_lone_steps_exactly() {
         let steps = 12;
         let token = |s: usize, i: usize| ((s * 131 + i * 17 + 3) as u32) % vocab;
         // Alone: a prefill, then one token per step.
-        let alone: Vec<Vec<Vec<f32>>> = prompts
-            .iter()
-            .enumerate()
-            .map(|(s, prompt)| {
-                let mut cache = Decoder::new_cache(&model, &bundle.config, prompt.len() + steps);
-                model.feed(prompt, &mut cache);
-                (0..steps).map(|i| model.feed(&[token(s, i)], &mut cache)).collect()
-            })
-            .collect();
+        let alone = lone_steps(&model, &bundle.config, &prompts, steps, token);
         let mut caches: Vec<_> = prompts.iter().map(|p| Decoder::new_cache(&model, &bundle.config, p.len() + steps)).collect();
         let mut step_of = vec![0usize; prompts.len()];
         for (s, prompt) in prompts.iter().enumerate().take(4) {
@@ -87,14 +82,7 @@ fn batched_decode_steps_equal_lone_steps_exactly() {
 /// step's (the K-quants and floats through the prefill tiles instead of the row kernels; repacked
 /// Q4_0, Q4_1 and Q8_0 blocks added last to first) and asserts that it fails saying `says`.
 fn fails_with_tiles_in_batches(test: &str, says: &str) {
-    fails_with_defect(test, "batch-tiles", says)
-}
-
-/// Runs `test` of this binary with the test-only `defect` switched on and asserts that it fails
-/// saying `says`.
-fn fails_with_defect(test: &str, defect: &str, says: &str) {
-    let stdout = headroom_model::failing_with_defect(test, defect);
-    assert!(stdout.contains(says), "with the defect {test} failed otherwise: {stdout}");
+    headroom_model::assert_control_fails(test, "batch-tiles", says)
 }
 
 /// Whether a negative control can run here: not inside another control, and on a processor
@@ -206,15 +194,7 @@ fn burn_batched_decode_steps_equal_lone_steps() {
     let prompts: Vec<Vec<u32>> = [1usize, 3, 7, 19, 5].iter().map(|&n| (0..n as u32).map(|i| (i * 37 + n as u32) % vocab).collect()).collect();
     let steps = 8;
     let token = |s: usize, i: usize| ((s * 131 + i * 17 + 3) as u32) % vocab;
-    let alone: Vec<Vec<Vec<f32>>> = prompts
-        .iter()
-        .enumerate()
-        .map(|(s, prompt)| {
-            let mut cache = Decoder::new_cache(&model, &bundle.config, prompt.len() + steps);
-            model.feed(prompt, &mut cache);
-            (0..steps).map(|i| model.feed(&[token(s, i)], &mut cache)).collect()
-        })
-        .collect();
+    let alone = lone_steps(&model, &bundle.config, &prompts, steps, token);
     let argmax = |v: &[f32]| v.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0;
     let mut caches: Vec<_> = prompts.iter().map(|p| Decoder::new_cache(&model, &bundle.config, p.len() + steps)).collect();
     let mut step_of = vec![0usize; prompts.len()];
@@ -263,18 +243,14 @@ fn burn_batched_decode_steps_equal_lone_steps() {
 /// Its negative control: with every sequence of a batch at the first one's position, it fails.
 #[test]
 fn burn_batched_decode_fails_with_shared_positions() {
-    if std::env::var_os("HEADROOM_TEST_DEFECT").is_none() {
-        fails_with_defect("burn_batched_decode_steps_equal_lone_steps", "batch-positions", "batched logits differ");
-    }
+    headroom_model::assert_control_fails("burn_batched_decode_steps_equal_lone_steps", "batch-positions", "batched logits differ");
 }
 
 /// Its negative control for picking: with every sequence given the first one's picked token,
 /// it fails.
 #[test]
 fn burn_batched_decode_fails_with_tokens_picked_from_one_row() {
-    if std::env::var_os("HEADROOM_TEST_DEFECT").is_none() {
-        fails_with_defect("burn_batched_decode_steps_equal_lone_steps", "device-pick-first-row", "picked on the device is not");
-    }
+    headroom_model::assert_control_fails("burn_batched_decode_steps_equal_lone_steps", "device-pick-first-row", "picked on the device is not");
 }
 
 /// Whole requests through the batch scheduler on the burn decoder give the tokens they give

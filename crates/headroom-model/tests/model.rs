@@ -354,9 +354,5 @@ fn matrices_load_in_the_type_asked_for_and_give_the_f32_logits() {
 /// GPUs got 16-bit weights) the check fails.
 #[test]
 fn the_matrix_type_check_fails_when_the_type_is_ignored() {
-    if std::env::var_os("HEADROOM_TEST_DEFECT").is_some() {
-        return;
-    }
-    let stdout = headroom_model::failing_with_defect("matrices_load_in_the_type_asked_for_and_give_the_f32_logits", "matrices-f32");
-    assert!(stdout.contains("not the F64 asked for"), "with the defect the check failed otherwise: {stdout}");
+    headroom_model::assert_control_fails("matrices_load_in_the_type_asked_for_and_give_the_f32_logits", "matrices-f32", "not the F64 asked for");
 }

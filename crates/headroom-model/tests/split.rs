@@ -2,10 +2,13 @@
 //! sim GPU as it does in the workers; CUDA on a GPU) computes what the all-CPU model computes:
 //! at every split point, through chunked prefill and decode steps, alone and batched.
 
+mod support;
+
 use std::path::Path;
 
 use burn::tensor::DType;
 use headroom_model::batch::generate_together;
+use support::lone_steps;
 use headroom_model::fixture::{tiny_config, write_gguf_from_folder, write_random_folder};
 use headroom_model::quants::GgmlType;
 use headroom_model::{generate, CancelToken, CpuBackend, Decoder, GenerateRequest, LlamaConfig, ModelBundle, Next, SamplingParams, SplitModel, StoreDtype};
@@ -71,10 +74,7 @@ fn split_models_give_the_all_cpu_logits() {
 /// new tokens alone), the split's logits differ.
 #[test]
 fn split_logits_check_fails_when_the_gpu_layers_forget_their_cache() {
-    if std::env::var_os("HEADROOM_TEST_DEFECT").is_none() {
-        let stdout = headroom_model::failing_with_defect("split_models_give_the_all_cpu_logits", "split-gpu-no-cache");
-        assert!(stdout.contains("logits differ from the all-CPU"), "with the defect the test failed otherwise: {stdout}");
-    }
+    headroom_model::assert_control_fails("split_models_give_the_all_cpu_logits", "split-gpu-no-cache", "logits differ from the all-CPU");
 }
 
 /// Batched decode steps of a split give each sequence its lone step's logits.
@@ -87,15 +87,7 @@ fn split_batched_steps_equal_lone_steps() {
     let prompts: Vec<Vec<u32>> = [1usize, 4, 11].iter().map(|&n| (0..n as u32).map(|i| (i * 29 + n as u32) % vocab).collect()).collect();
     let steps = 6;
     let token = |s: usize, i: usize| ((s * 101 + i * 13 + 1) as u32) % vocab;
-    let alone: Vec<Vec<Vec<f32>>> = prompts
-        .iter()
-        .enumerate()
-        .map(|(s, prompt)| {
-            let mut cache = model.new_cache(&bundle.config, prompt.len() + steps);
-            model.feed(prompt, &mut cache);
-            (0..steps).map(|i| model.feed(&[token(s, i)], &mut cache)).collect()
-        })
-        .collect();
+    let alone = lone_steps(&model, &bundle.config, &prompts, steps, token);
     let mut caches: Vec<_> = prompts.iter().map(|p| model.new_cache(&bundle.config, p.len() + steps)).collect();
     for (prompt, cache) in prompts.iter().zip(&mut caches) {
         model.feed(prompt, cache);

@@ -6,11 +6,9 @@
 
 mod support;
 
-use std::collections::HashMap;
-
 use headroom_model::{generate, CancelToken, GenerateRequest, ModelBundle};
 use headroom_worker::{FailureKind, Fault, FromWorker, GenerateJob, ToWorker};
-use support::{model_path, requests, Stream, Worker};
+use support::{model_path, requests, Worker};
 
 /// The model, the test's requests, and each request's tokens run alone.
 fn lone_runs() -> (ModelBundle, headroom_model::CpuModel, Vec<GenerateRequest>, Vec<Vec<u32>>) {
@@ -26,27 +24,10 @@ fn four_requests_at_once_stream_what_each_streams_alone() {
     let (_, _, requests, alone) = lone_runs();
     let mut worker = Worker::start(4);
     let ids = worker.submit(&requests);
-    let mut streams: HashMap<String, Stream> = ids.iter().map(|id| (id.clone(), Stream::default())).collect();
-    let mut any_done = false;
-    let mut started_before_first_done = 0;
-    while streams.values().any(|s| s.end.is_none()) {
-        let frame = worker.next();
-        match &frame {
-            FromWorker::Token { request_id, token, index, .. } => {
-                let stream = streams.get_mut(request_id).unwrap();
-                assert_eq!(*index as usize, stream.tokens.len(), "{request_id}: token indexes in order");
-                if stream.tokens.is_empty() && !any_done {
-                    started_before_first_done += 1;
-                }
-                stream.tokens.push(*token);
-            }
-            FromWorker::Done { request_id, .. } => {
-                any_done = true;
-                streams.get_mut(request_id).unwrap().end = Some(frame.clone());
-            }
-            other => panic!("unexpected frame {other:?}"),
-        }
-    }
+    let streams = worker.streams(&ids);
+    assert!(streams.values().all(|s| matches!(s.end, Some(FromWorker::Done { .. }))), "every request ends done: {streams:?}");
+    let first_done = streams.values().filter_map(|s| s.end_frame).min().unwrap();
+    let started_before_first_done = streams.values().filter(|s| s.first_token_frame.is_some_and(|f| f < first_done)).count();
     assert_eq!(started_before_first_done, 4, "every request streamed before the first one ended: they ran together");
     for (i, id) in ids.iter().enumerate() {
         assert_eq!(streams[id].tokens, alone[i], "{id}: tokens in the batch vs alone");
@@ -66,30 +47,11 @@ fn a_cancel_and_an_out_of_memory_mid_batch_leave_the_others_untouched() {
     let mut ids = worker.submit(&requests);
     ids.push("r4".into());
     worker.send(ToWorker::Generate(GenerateJob { request_id: "r4".into(), request: requests[0].clone() }));
-    let mut streams: HashMap<String, Stream> = ids.iter().map(|id| (id.clone(), Stream::default())).collect();
-    let mut cancelled = false;
-    while streams.values().any(|s| s.end.is_none()) {
-        let frame = worker.next();
-        match &frame {
-            FromWorker::Token { request_id, token, .. } => {
-                let stream = streams.get_mut(request_id).unwrap();
-                stream.tokens.push(*token);
-                if request_id == "r3" && stream.tokens.len() == 3 && !cancelled {
-                    cancelled = true;
-                    worker.send(ToWorker::Cancel { request_id: "r3".into() });
-                }
-            }
-            FromWorker::Done { request_id, .. } | FromWorker::Failed { request_id: Some(request_id), .. } => {
-                streams.get_mut(request_id).unwrap().end = Some(frame.clone());
-            }
-            other => panic!("unexpected frame {other:?}"),
-        }
-    }
+    // r3 is cancelled after its third token.
+    let streams = worker.streams_with(&ids, |id, tokens| (id == "r3" && tokens == 3).then(|| ToWorker::Cancel { request_id: "r3".into() }));
     // r0 was admitted first: the out-of-memory is its, with a checkpoint that resumes to the
     // tokens it produces alone.
-    let FromWorker::Failed { kind: FailureKind::Oom, checkpoint: Some(checkpoint), replayable: true, .. } = streams["r0"].end.clone().unwrap() else {
-        panic!("r0 should fail with a replayable out-of-memory: {:?}", streams["r0"].end)
-    };
+    let checkpoint = streams["r0"].oom_checkpoint("r0");
     assert_eq!(streams["r0"].tokens, alone[0][..5], "r0 streamed 5 tokens before the fault");
     let mut resumed = requests[0].clone();
     resumed.resume = Some(checkpoint);
@@ -126,17 +88,12 @@ fn tiles_in_batched_steps_fail_the_check() {
         eprintln!("this processor's kernels sum a batch's steps as they sum lone steps; skipped");
         return;
     }
-    let stdout = headroom_model::failing_with_defect("four_requests_at_once_stream_what_each_streams_alone", "batch-tiles");
-    assert!(stdout.contains("tokens in the batch vs alone"), "with the defect the check failed otherwise: {stdout}");
+    headroom_model::assert_control_fails("four_requests_at_once_stream_what_each_streams_alone", "batch-tiles", "tokens in the batch vs alone");
 }
 
 /// The negative control of the refusal at full slots: a worker that takes a request beyond its
 /// slots fails the check.
 #[test]
 fn a_worker_over_its_slots_fails_the_check() {
-    if std::env::var_os("HEADROOM_TEST_DEFECT").is_some() {
-        return;
-    }
-    let stdout = headroom_model::failing_with_defect("a_cancel_and_an_out_of_memory_mid_batch_leave_the_others_untouched", "worker-over-slots");
-    assert!(stdout.contains("refused as busy"), "with the defect the check failed otherwise: {stdout}");
+    headroom_model::assert_control_fails("a_cancel_and_an_out_of_memory_mid_batch_leave_the_others_untouched", "worker-over-slots", "refused as busy");
 }

@@ -51,9 +51,7 @@ fn a_split_sim_worker_at_full_load_streams_the_all_cpu_tokens() {
         "r4 came with every slot full and is refused as busy, for the router to queue: {:?}",
         streams["r4"].end
     );
-    let FromWorker::Failed { kind: FailureKind::Oom, checkpoint: Some(checkpoint), replayable: true, .. } = streams["r0"].end.clone().unwrap() else {
-        panic!("r0 should fail with a replayable out-of-memory: {:?}", streams["r0"].end)
-    };
+    let checkpoint = streams["r0"].oom_checkpoint("r0");
     assert_eq!(streams["r0"].tokens, alone[0][..5], "r0: the split's tokens before the fault vs the all-CPU model's");
     let mut resumed = requests[0].clone();
     resumed.resume = Some(checkpoint);
@@ -69,10 +67,7 @@ fn a_split_sim_worker_at_full_load_streams_the_all_cpu_tokens() {
 /// with the all-CPU model's.
 #[test]
 fn a_split_whose_gpu_layers_forget_their_cache_fails_the_check() {
-    if std::env::var_os("HEADROOM_TEST_DEFECT").is_none() {
-        let stdout = headroom_model::failing_with_defect("a_split_sim_worker_at_full_load_streams_the_all_cpu_tokens", "split-gpu-no-cache");
-        assert!(stdout.contains("the split's tokens"), "with the defect the check failed otherwise: {stdout}");
-    }
+    headroom_model::assert_control_fails("a_split_sim_worker_at_full_load_streams_the_all_cpu_tokens", "split-gpu-no-cache", "the split's tokens");
 }
 
 /// No layers on the GPU, or more than the model has, is refused at load, saying what to do.

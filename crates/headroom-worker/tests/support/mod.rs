@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use headroom_model::{GenerateRequest, ModelBundle, SamplingParams};
 use headroom_worker::protocol::{read_frame, write_frame};
-use headroom_worker::{Device, FromWorker, GenerateJob, ToWorker, WorkerOptions};
+use headroom_worker::{Device, FailureKind, FromWorker, GenerateJob, ToWorker, WorkerOptions};
 
 /// The default model (SmolLM2-135M Q4_1) where it is installed, whose greedy tokens part ways
 /// at the smallest change of arithmetic; the demo model otherwise.
@@ -67,17 +67,30 @@ impl Worker {
 
     /// Reads frames until every one of `ids` has ended: what each streamed and how it ended.
     pub fn streams(&mut self, ids: &[String]) -> HashMap<String, Stream> {
+        self.streams_with(ids, |_, _| None)
+    }
+
+    /// The same, sending what `on_token(request, tokens so far)` gives after each token.
+    pub fn streams_with(&mut self, ids: &[String], mut on_token: impl FnMut(&str, usize) -> Option<ToWorker>) -> HashMap<String, Stream> {
         let mut streams: HashMap<String, Stream> = ids.iter().map(|id| (id.clone(), Stream::default())).collect();
+        let mut frames = 0;
         while streams.values().any(|s| s.end.is_none()) {
             let frame = self.next();
+            frames += 1;
             match &frame {
                 FromWorker::Token { request_id, token, index, .. } => {
                     let stream = streams.get_mut(request_id).unwrap();
                     assert_eq!(*index as usize, stream.tokens.len(), "{request_id}: token indexes in order");
+                    stream.first_token_frame.get_or_insert(frames);
                     stream.tokens.push(*token);
+                    if let Some(message) = on_token(request_id, stream.tokens.len()) {
+                        self.send(message);
+                    }
                 }
                 FromWorker::Done { request_id, .. } | FromWorker::Failed { request_id: Some(request_id), .. } => {
-                    streams.get_mut(request_id).unwrap().end = Some(frame.clone());
+                    let stream = streams.get_mut(request_id).unwrap();
+                    stream.end = Some(frame.clone());
+                    stream.end_frame = Some(frames);
                 }
                 other => panic!("unexpected frame {other:?}"),
             }
@@ -91,6 +104,19 @@ impl Worker {
 pub struct Stream {
     pub tokens: Vec<u32>,
     pub end: Option<FromWorker>,
+    /// Which frame, counted from the first one read, brought its first token, and its end.
+    pub first_token_frame: Option<usize>,
+    pub end_frame: Option<usize>,
+}
+
+impl Stream {
+    /// The checkpoint of a stream that failed with a replayable out-of-memory.
+    pub fn oom_checkpoint(&self, id: &str) -> headroom_model::Checkpoint {
+        match &self.end {
+            Some(FromWorker::Failed { kind: FailureKind::Oom, checkpoint: Some(checkpoint), replayable: true, .. }) => checkpoint.clone(),
+            other => panic!("{id} should fail with a replayable out-of-memory: {other:?}"),
+        }
+    }
 }
 
 /// Four greedy requests of different prompt lengths and max_tokens, run past EOS.
