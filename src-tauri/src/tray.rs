@@ -140,6 +140,14 @@ async fn follow_degraded(app: &AppHandle, tray: Option<&Tray>, shell: &Shell) ->
             // The GPU pause is the person's choice: icon and menu follow it, no notification.
             let paused_now = match event["event"].as_str() {
                 Some("gpu_paused") => event["paused"].as_bool(),
+                // A restart placed the layers again (more or less VRAM free).
+                Some("placement_changed") => {
+                    layers = layers_note(&event);
+                    if let Some(tray) = tray {
+                        show_state(tray, degraded, paused, "", &layers);
+                    }
+                    None
+                }
                 None => {
                     let has_gpu = event["workers"].as_array().is_some_and(|w| w.iter().any(|w| w["kind"] == "gpu"));
                     layers = layers_note(&event["placement"]);

@@ -133,7 +133,11 @@ describe("memory panel", () => {
     expect(h.points[0].hostUsed).toBe(400);
     h.addEvent("failover", { at_unix_ms: 91_000, from: "sim", to: "cpu" });
     h.addEvent("queue_changed", { at_unix_ms: 91_000 });
-    expect(h.marks).toEqual([{ t: 91, kind: "failover", label: "failover sim→cpu" }]);
+    h.addEvent("placement_changed", { at_unix_ms: 91_500, gpu_layers: 1, layers: 4 });
+    expect(h.marks).toEqual([
+      { t: 91, kind: "failover", label: "failover sim→cpu" },
+      { t: 91.5, kind: "placement", label: "layers 1/4 on the GPU" },
+    ]);
     expect(h.columns()[0]).toEqual([90], "a mark moves the window too");
   });
 });

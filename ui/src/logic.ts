@@ -236,7 +236,7 @@ export interface MemoryPoint {
 export interface Mark {
   t: number;
   label: string;
-  kind: "failover" | "breaker" | "degraded";
+  kind: "failover" | "breaker" | "degraded" | "placement";
 }
 
 /** The memory panel's history: the last `windowS` seconds of samples and marks. */
@@ -266,6 +266,8 @@ export class MemoryHistory {
     if (name === "failover") this.mark({ t, kind: "failover", label: `failover ${event.from}→${event.to}` });
     else if (name === "breaker_changed") this.mark({ t, kind: "breaker", label: `breaker ${event.to}` });
     else if (name === "degraded") this.mark({ t, kind: "degraded", label: event.degraded ? "degraded" : "recovered" });
+    // The GPU worker's layers were placed again at a restart (more or less VRAM free).
+    else if (name === "placement_changed") this.mark({ t, kind: "placement", label: `layers ${event.gpu_layers}/${event.layers} on the GPU` });
   }
 
   private push(p: MemoryPoint) {

@@ -331,6 +331,21 @@ fn split_sizing(bundle: &ModelBundle, sizing: &Sizing) -> Result<(Sizing, u32)> 
     bail!("no whole-MiB sim GPU holds {} split with at least half its {layers} layers (each layer is too small); use a model with larger layers", bundle.name())
 }
 
+/// The competitor that makes the split server's next GPU worker launch plan fewer layers but
+/// not none: the smallest in whole MiB, with the layer count the plan then gives.
+fn shrink_competitor(bundle: &ModelBundle, split: &Sizing, gpu_layers: u32) -> Result<Option<(u64, u32)>> {
+    let config = MemoryConfig { vram_reserve_mib: Some(split.reserve_mib), split_min_context_tokens: split.short_request_tokens, ..MemoryConfig::default() };
+    let chunk = GenerateRequest::new(vec![], 1, SamplingParams::default()).prefill_chunk as u64;
+    for mib in 1..split.sim_vram_mib.saturating_sub(split.reserve_mib) {
+        let usable = (split.sim_vram_mib - split.reserve_mib - mib) * MIB;
+        let plan = headroom_memory::plan_model_split(bundle, "sim", &config, usable, 1, chunk, Default::default()).map_err(anyhow::Error::msg)?;
+        if plan.gpu_layers < gpu_layers {
+            return Ok((plan.gpu_layers > 0).then_some((mib, plan.gpu_layers)));
+        }
+    }
+    Ok(None)
+}
+
 /// One request the harness sends.
 #[derive(Clone)]
 struct Shot {
@@ -1153,10 +1168,19 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
     // A second server whose sim GPU holds the model only split: traffic runs split, and faults
     // fire at full load there too (an OOM mid-stream, kill -9 of the GPU worker).
     let mut split_run: Option<(u32, u32, u64)> = None;
+    // The layers the GPU worker holds after a restart beside the re-planning competitor.
+    let mut split_replan: Option<u32> = None;
+    // Restarts whose /v1/status placement was not the one re-planned.
+    let mut misplaced: Vec<String> = Vec::new();
     if let (true, Some(s)) = (sim, &sizing) {
         let (split_sizing, gpu_layers) = split_sizing(bundle, s)?;
         let layers = bundle.config.num_hidden_layers as u32;
         split_run = Some((gpu_layers, layers, split_sizing.sim_vram_mib));
+        let replan = shrink_competitor(bundle, &split_sizing, gpu_layers)?;
+        split_replan = replan.map(|(_, shrunk)| shrunk);
+        if replan.is_none() {
+            notes.push(format!("the re-planning check needs a competitor that leaves room for fewer than {gpu_layers} layers but not none; no whole MiB does on this model"));
+        }
         let split_server = Server::start(model_dir, args.gpu, Some(&split_sizing), &out.join("split-server"), &[]).await?;
         let placed = split_server.status().await?["placement"].clone();
         if placed["gpu_layers"].as_u64() != Some(gpu_layers as u64) {
@@ -1194,6 +1218,37 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
             records.extend(run_all(&split_server, &clock, burst, scale.concurrent / 2).await);
             split_server.fault(json!({"fault": "clear"})).await?;
             split_server.wait_competing(0).await?;
+
+            // The plan is made again at each launch of the GPU worker: a program that starts
+            // while the worker is down (killed at full load) makes the next launch hold fewer
+            // layers; once it left, the launch after holds them all again.
+            let Some((competitor, shrunk)) = replan else { continue };
+            let shrunk_placement = format!("split: {shrunk} of {layers} layers on the GPU");
+            let full_placement = format!("split: {gpu_layers} of {layers} layers on the GPU");
+            for (scenario, environment, placement, after) in [
+                ("split_replan_reset", json!({"fault": "compete", "mib": competitor}), &shrunk_placement, "split_replanned"),
+                ("split_regrow_reset", json!({"fault": "clear"}), &full_placement, "split_regrown"),
+            ] {
+                split_server.fault(json!({"fault": "slowdown", "factor": 40.0})).await?;
+                let burst: Vec<Shot> = (0..scale.full_load).map(|i| short(scenario, "kill_9_gpu_worker", i, stream)).collect();
+                let (target, tl, ck) = (&split_server, &timeline, &clock);
+                let environment = &environment;
+                let fire = move || async move {
+                    target.kill_gpu_worker().await?;
+                    mark(tl, ck, format!("{scenario}: GPU worker killed; environment now {environment}"));
+                    target.fault(environment.clone()).await
+                };
+                let (burst, fired_at) = at_full_load(&split_server, &clock, &timeline, format!("split: kill_9 at full load, then {environment} ({mode})"), burst, fire).await?;
+                records.extend(burst);
+                recoveries.push(restore_after(&split_server, &clock, scenario, stream, fired_at).await);
+                split_server.fault(json!({"fault": "slowdown", "factor": 1.0})).await?;
+                let now = split_server.status().await?["placement"]["placement"].as_str().unwrap_or_default().to_string();
+                mark(&timeline, &clock, format!("split: placement after the restart: {now}"));
+                if &now != placement {
+                    misplaced.push(format!("{scenario} ({mode}): /v1/status placed the restarted worker \"{now}\", not \"{placement}\""));
+                }
+                records.extend(run_all(&split_server, &clock, (0..scale.concurrent / 2).map(|i| short(after, "none", i, stream)).collect(), 1).await);
+            }
         }
         reconcile(&split_server, &mut records[first..]).await;
         split_server.stop().await;
@@ -1244,13 +1299,20 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
     let worst_p95 = scenarios.iter().map(|s| s.p95_latency_ms).filter(|v| v.is_finite()).fold(0.0, f64::max);
     let at_full_load = records
         .iter()
-        .filter(|r| matches!(r.scenario.as_str(), "oom_before_generation" | "oom_mid_generation" | "driver_reset" | "split_oom_mid_generation" | "split_driver_reset"))
+        .filter(|r| matches!(r.scenario.as_str(), "oom_before_generation" | "oom_mid_generation" | "driver_reset" | "split_oom_mid_generation" | "split_driver_reset" | "split_replan_reset" | "split_regrow_reset"))
         .count();
     // Split traffic the GPU served must say it ran split, with the planned layer count.
     let split_records: Vec<&Record> = records.iter().filter(|r| r.scenario.starts_with("split_")).collect();
     let split_on_gpu: Vec<&&Record> = split_records.iter().filter(|r| r.completed && r.device.as_deref() == Some("sim")).collect();
-    let split_header = split_run.map(|(g, l, _)| format!("{g}/{l}"));
-    let split_marked = split_on_gpu.iter().filter(|r| r.split == split_header).count();
+    // Each says the layers of the worker that served it: the planned split, or after the
+    // restart beside the competitor (and up to the next restart) the shrunk one.
+    let expected_split = |r: &Record| {
+        let (g, l, _) = split_run?;
+        let shrunk = matches!(r.scenario.as_str(), "split_replanned" | "split_regrow_reset");
+        Some(format!("{}/{l}", if shrunk { split_replan.unwrap_or(g) } else { g }))
+    };
+    let split_marked = split_on_gpu.iter().filter(|r| r.split == expected_split(r)).count();
+    let replanned = split_on_gpu.iter().filter(|r| r.scenario == "split_replanned").count();
     let criteria = vec![
         Criterion { name: "zero accepted requests lost".into(), passed: lost == 0 && agent.lost_calls == 0, detail: format!("{lost} lost of {} accepted; agent calls lost {}", records.iter().filter(|r| r.accepted).count(), agent.lost_calls) },
         Criterion { name: "zero duplicate side effects".into(), passed: agent.duplicate_side_effects == 0, detail: format!("{} duplicates over {} agent tasks ({} retries)", agent.duplicate_side_effects, agent.tasks, agent.retries) },
@@ -1276,9 +1338,17 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
         },
         Criterion {
             name: "split traffic ran split".into(),
-            passed: split_run.is_none() || (!split_on_gpu.is_empty() && split_marked == split_on_gpu.len()),
+            passed: split_run.is_none() || (!split_on_gpu.is_empty() && split_marked == split_on_gpu.len() && (split_replan.is_none() || replanned > 0) && misplaced.is_empty()),
             detail: match split_run {
-                Some((g, l, mib)) => format!("{split_marked} of {} split requests the {mib} MiB sim GPU served said X-Headroom-Split: {g}/{l} ({} split requests in all)", split_on_gpu.len(), split_records.len()),
+                Some((g, l, mib)) => format!(
+                    "{split_marked} of {} split requests the {mib} MiB sim GPU served said the split of the worker that served them (X-Headroom-Split: {g}/{l}{}); {} split requests in all",
+                    split_on_gpu.len(),
+                    match split_replan {
+                        Some(n) => format!(", and {n}/{l} for the {replanned} served after a restart beside a competing program"),
+                        None => String::new(),
+                    },
+                    split_records.len()
+                ) + &misplaced.iter().map(|m| format!("; {m}")).collect::<String>(),
                 None => "not run: the split needs the sim GPU sized by the harness".into(),
             },
         },

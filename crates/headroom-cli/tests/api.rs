@@ -45,6 +45,7 @@ async fn api_placed(with_sim_gpu: bool, api_key: Option<&str>, settings_file: Op
     config.cpu.max_concurrency = 1;
     config.supervision.health_interval_ms = 200;
     config.gpu_paused = settings.gpu_paused;
+    config.placement = placement;
     let supervisor = Supervisor::start(config).await.unwrap();
     let bundle = ModelBundle::open(&model_dir).unwrap();
     let memory = MemoryConfig::default();
@@ -58,7 +59,6 @@ async fn api_placed(with_sim_gpu: bool, api_key: Option<&str>, settings_file: Op
         api_key: api_key.map(str::to_string),
         sim_faults: with_sim_gpu,
         created_unix: 0,
-        placement,
     });
     let app = headroom_server::app(state, &ServerConfig::default());
     Api { app, dispatcher }

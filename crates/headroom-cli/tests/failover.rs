@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use headroom_memory::{MemoryConfig, ModelShape, RequestShape, MIB};
 use headroom_model::{GenerateRequest, ModelBundle, SamplingParams};
-use headroom_router::{BreakerState, EventKind, RunOutcome, RunRequest, ServiceEvent, Supervisor, SupervisorConfig, Target};
-use headroom_worker::{Device, Fault, WorkerOptions};
+use headroom_router::{BreakerState, EventKind, LayerPlanner, RunOutcome, RunRequest, ServiceEvent, Supervisor, SupervisorConfig, Target, VramRoom};
+use headroom_worker::{Device, Fault, SplitLayers, WorkerOptions};
 use tokio::sync::broadcast;
 
 fn model_dir() -> PathBuf {
@@ -295,4 +295,124 @@ async fn competing_workload_makes_the_sim_gpu_refuse_and_the_request_fail_over()
     assert_eq!(fits.device, "sim");
     assert_eq!(fits.tokens, refused.tokens, "same seed, same tokens on either device");
     supervisor.shutdown().await;
+}
+
+/// Kills the GPU worker once each of `ids`' requests (started on the GPU with `Target::Auto`)
+/// has streamed 3 tokens: the fault at full slots. Gives their outcomes.
+async fn kill_gpu_worker_at_full_slots(supervisor: &Supervisor, ids: &[&str], max_tokens: usize) -> Vec<RunOutcome> {
+    let (started_tx, mut started_rx) = tokio::sync::mpsc::unbounded_channel();
+    let jobs: Vec<_> = ids
+        .iter()
+        .map(|id| {
+            let (s, started, id) = (supervisor.clone(), started_tx.clone(), id.to_string());
+            let mut told = false;
+            tokio::spawn(async move {
+                s.run(request(&id, max_tokens), Target::Auto, move |t| {
+                    if t.index >= 3 && !told {
+                        told = true;
+                        let _ = started.send(());
+                    }
+                })
+                .await
+            })
+        })
+        .collect();
+    for _ in ids {
+        tokio::time::timeout(Duration::from_secs(60), started_rx.recv()).await.unwrap().unwrap();
+    }
+    let pid = supervisor.gpu_worker().unwrap().pid;
+    assert!(std::process::Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap().success());
+    let mut outcomes = Vec::new();
+    for job in jobs {
+        outcomes.push(job.await.unwrap().unwrap());
+    }
+    outcomes
+}
+
+/// Waits until a GPU worker other than `pid` runs and the breaker closed again.
+async fn wait_gpu_replaced(supervisor: &Supervisor, pid: u32) -> std::sync::Arc<headroom_router::Worker> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(w) = supervisor.gpu_worker().filter(|w| w.pid != pid && !supervisor.status().degraded) {
+            return w;
+        }
+        assert!(std::time::Instant::now() < deadline, "no new GPU worker within 20 s: {:?}", supervisor.status());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The GPU worker's layers are placed again before each launch, from the VRAM free then (the
+/// plan `serve` makes at start): a program that took VRAM while the worker ran makes the
+/// restarted worker hold fewer layers, and once it left the next launch holds them all. The
+/// requests running at each kill (the GPU's slots full) complete on the CPU.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_gpu_worker_holds_the_layers_that_fit_then() {
+    let bundle = ModelBundle::open(model_dir()).unwrap();
+    let memory = MemoryConfig { vram_reserve_mib: Some(0), split_min_context_tokens: 64, ..MemoryConfig::default() };
+    let plan = move |room: VramRoom| headroom_memory::plan_model_split(&bundle, "sim", &memory, room.free_bytes, 1, 256, Default::default());
+    let room = |total_mib: u64, competing_mib: u64| VramRoom { total_bytes: total_mib * MIB, free_bytes: (total_mib - competing_mib) * MIB };
+    // The smallest sim GPU that holds every layer, and the smallest competitor that leaves
+    // room for some layers but not all.
+    let size = (1..4096).find(|&mib| plan(room(mib, 0)).unwrap().head_on_gpu).unwrap();
+    let (competitor, shrunk) = (1..size)
+        .map(|c| (c, plan(room(size, c)).unwrap()))
+        .find(|(_, p)| !p.head_on_gpu)
+        .unwrap();
+    assert!(shrunk.gpu_layers > 0, "{}", shrunk.reason);
+    let layers = shrunk.layers;
+
+    let mut config = config();
+    let gpu = config.gpu.as_mut().unwrap();
+    gpu.sim_vram_mib = size;
+    gpu.max_concurrency = 2;
+    // The probe's canary must fit beside the split on a GPU this small.
+    config.supervision.probe_canary_mib = 1;
+    config.placement = Some(plan(room(size, 0)).unwrap());
+    config.replan = Some(LayerPlanner(std::sync::Arc::new(plan)));
+    let supervisor = Supervisor::start(config).await.unwrap();
+    let mut events = supervisor.subscribe();
+    let reference = straight(&supervisor, "ref", 40).await;
+    let first = supervisor.gpu_worker().unwrap();
+    assert_eq!(first.ready.split, None, "every layer on the GPU at start");
+
+    // Another program takes VRAM; the worker dies with its slots full.
+    supervisor.inject_fault(Fault::Compete { mib: competitor }).await.unwrap();
+    supervisor.inject_fault(Fault::Slowdown { factor: 20.0 }).await.unwrap();
+    for out in kill_gpu_worker_at_full_slots(&supervisor, &["a", "b"], 40).await {
+        assert_eq!(out.device, "cpu");
+        assert_eq!(out.tokens, reference.tokens);
+    }
+    let second = wait_gpu_replaced(&supervisor, first.pid).await;
+    assert_eq!(
+        second.ready.split,
+        Some(SplitLayers { gpu_layers: shrunk.gpu_layers, layers }),
+        "the restarted worker holds the layers that fit beside the {competitor} MiB competitor"
+    );
+    assert_eq!(supervisor.placement().map(|p| p.gpu_layers), Some(shrunk.gpu_layers));
+    wait_for(&mut events, 10, "placement changed", |k| matches!(k, EventKind::PlacementChanged { gpu_layers, .. } if *gpu_layers == shrunk.gpu_layers)).await;
+    supervisor.inject_fault(Fault::Slowdown { factor: 1.0 }).await.unwrap();
+    let split = supervisor.run(request("split", 40), Target::Auto, |_| {}).await.unwrap();
+    assert_eq!(split.device, "sim", "{:?}", split.failovers);
+    assert_eq!(split.split, Some(SplitLayers { gpu_layers: shrunk.gpu_layers, layers }));
+    assert_eq!(split.tokens, reference.tokens, "the split gives the same tokens");
+
+    // The program leaves; the next launch holds every layer again.
+    supervisor.inject_fault(Fault::Clear).await.unwrap();
+    supervisor.inject_fault(Fault::Slowdown { factor: 20.0 }).await.unwrap();
+    for out in kill_gpu_worker_at_full_slots(&supervisor, &["c", "d"], 40).await {
+        assert_eq!(out.device, "cpu");
+        assert_eq!(out.tokens, reference.tokens);
+    }
+    let third = wait_gpu_replaced(&supervisor, second.pid).await;
+    assert_eq!(third.ready.split, None, "every layer on the GPU again");
+    assert_eq!(supervisor.placement().map(|p| p.gpu_layers), Some(layers));
+    supervisor.shutdown().await;
+}
+
+/// Its negative control: with every launch loading the start's placement, the restarted worker
+/// loads every layer beside the competitor, and the GPU never takes requests again (its probe
+/// finds no room).
+#[test]
+fn re_planning_at_restart_fails_when_switched_off() {
+    headroom_model::assert_control_fails("a_restarted_gpu_worker_holds_the_layers_that_fit_then", "no-replan", "canary allocation failed");
 }

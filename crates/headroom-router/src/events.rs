@@ -36,6 +36,10 @@ pub enum EventKind {
     WorkerStarted { device: Device, pid: u32, simulated: bool, load_ms: f64, bundle_hash: String },
     WorkerExited { device: Device, pid: u32, status: String },
     WorkerRestartScheduled { device: Device, attempt: u32, delay_ms: u64, reason: String },
+    /// The GPU worker's layers were placed again before a launch, differently: `placement` as
+    /// `/v1/status` says it ("split: 2 of 4 layers on the GPU"), the split's predicted decode
+    /// tokens/s, and the plan's reason.
+    PlacementChanged { placement: String, gpu_layers: u32, layers: u32, predicted_decode_tok_s: Option<f64>, reason: String },
     HealthCheckFailed { device: Device, pid: u32, reason: String },
     Failover { request_id: String, from: Device, to: Device, reason: String, resumed_after_tokens: u32 },
     MemorySample { reading: MemoryReading },

@@ -22,7 +22,7 @@ pub use events::{EventKind, ServiceEvent};
 pub use lane::Lane;
 pub use journal::{Accepted, EndCause, Journal, JournalError, NewRequest, Recovery, RequestRecord, RequestState, Transition};
 pub use settings::{Settings, SettingsFile};
-pub use supervisor::{degradation, AttemptError, CancelSignal, Progress, CpuSetup, DeviceStatus, FailoverRecord, RunOutcome, RunRequest, StreamedToken, SupervisionConfig, Supervisor, SupervisorConfig, Target};
+pub use supervisor::{degradation, AttemptError, CancelSignal, Progress, CpuSetup, DeviceStatus, FailoverRecord, RunOutcome, RunRequest, StreamedToken, LayerPlanner, SupervisionConfig, Supervisor, SupervisorConfig, Target, VramRoom};
 pub use worker::{BoxFuture, ExitInfo, HealthReport, ProcessLauncher, ReadyInfo, Worker, WorkerLauncher, WorkerLink, WorkerSpec};
 
 #[derive(Debug, thiserror::Error)]

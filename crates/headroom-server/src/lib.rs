@@ -89,9 +89,6 @@ pub struct AppState {
     /// Whether `/admin/sim/fault` exists (only with `--gpu sim`).
     pub sim_faults: bool,
     pub created_unix: u64,
-    /// Where the model's layers were planned to live at start (`[memory] gpu_layers`), with the
-    /// reason and, for a split, its predicted speed. None without a GPU worker.
-    pub placement: Option<headroom_memory::SplitPlan>,
 }
 
 impl AppState {

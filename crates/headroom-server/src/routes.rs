@@ -517,7 +517,7 @@ pub struct StatusBody {
     pub estimated_delay_ms: Option<u64>,
     #[schema(value_type = Object)]
     pub memory: Value,
-    /// Where the model's layers were planned to live at start: `placement` ("all on the GPU",
+    /// Where the model's layers live, as planned at the GPU worker's latest launch: `placement` ("all on the GPU",
     /// "split: 22 of 32 layers on the GPU", "all on the CPU"), each device's bytes, the reason,
     /// and a split's predicted decode tokens/s (an upper bound from each device's bandwidth).
     #[schema(value_type = Option<Object>)]
@@ -560,8 +560,8 @@ fn status_body(state: &AppState) -> StatusBody {
         queues: serde_json::to_value(&s.queues).unwrap_or_default(),
         estimated_delay_ms: s.estimated_delay_ms,
         memory,
-        placement: state.placement.as_ref().map(|p| {
-            let mut value = serde_json::to_value(p).unwrap_or_default();
+        placement: state.dispatcher.supervisor().placement().map(|p| {
+            let mut value = serde_json::to_value(&p).unwrap_or_default();
             value["placement"] = Value::from(p.placement());
             value
         }),
@@ -609,7 +609,7 @@ async fn update_settings(State(state): Shared, body: Result<Bytes, BytesRejectio
     Ok(Json(SettingsBody { settings: update.settings, changed: update.changed, restart_required: update.restart_required, file: state.dispatcher.settings_path() }))
 }
 
-/// A fixed `gpu_layers` must fit: at most the layers the start's plan found room for (with its
+/// A fixed `gpu_layers` must fit: at most the layers the latest plan found room for (with its
 /// guaranteed context) on the GPU, and no more than the model has.
 fn check_gpu_layers(state: &AppState, patch: &Value) -> Result<(), ApiError> {
     let Some(Ok(headroom_memory::GpuLayers::Count(n))) = patch.get("gpu_layers").filter(|v| !v.is_null()).map(|v| serde_json::from_value(v.clone())) else {
@@ -621,7 +621,7 @@ fn check_gpu_layers(state: &AppState, patch: &Value) -> Result<(), ApiError> {
     }
     // Test-only: the fit is not checked (the negative control of the API test).
     let checked = !headroom_model::test_defect("gpu-layers-unchecked");
-    if let Some(plan) = state.placement.as_ref().filter(|p| checked && n > p.most_gpu_layers) {
+    if let Some(plan) = state.dispatcher.supervisor().placement().filter(|p| checked && n > p.most_gpu_layers) {
         return Err(ApiError::invalid(
             "gpu_layers",
             format!(

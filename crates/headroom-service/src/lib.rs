@@ -198,38 +198,61 @@ fn gpu_worker(choice: GpuChoice, sim_vram_mib: u64, cuda_device: u32) -> Result<
     }
 }
 
-/// Where the model's layers live on the GPU worker's device (`[memory] gpu_layers`): all of
-/// them when they fit with one request of `split_min_context_tokens`, otherwise the last ones
-/// that do (a split: `gpu.gpu_layers`), none when not one layer fits (the GPU worker is not
-/// started). An impossible fixed count is an error that says what fits.
-fn place_layers(bundle: &ModelBundle, gpu: &mut WorkerOptions, memory: &MemoryConfig) -> Result<Option<headroom_memory::SplitPlan>> {
-    let label = gpu.device.label();
-    let (total, free) = match gpu.device {
-        Device::Cuda(index) => match headroom_memory::observe::gpu_memory(index) {
-            Some(reading) => (reading.total_bytes, reading.free_bytes),
-            // No reading (NVML missing): load every layer and let admission find out.
-            None => return Ok(None),
-        },
-        _ => (gpu.sim_vram_mib * headroom_memory::MIB, gpu.sim_vram_mib * headroom_memory::MIB),
-    };
-    let usable = free.min(total).saturating_sub(memory.vram_reserve_bytes(total));
-    let chunk = headroom_model::generate::default_prefill_chunk() as u64;
-    let plan = |bandwidths| headroom_memory::plan_model_split(bundle, &label, memory, usable, 1, chunk, bandwidths);
-    let fix = |e: String| anyhow::anyhow!("{e}. Set `gpu_layers` in [memory] (or HEADROOM_GPU_LAYERS) to a count that fits, or to \"auto\".");
-    let mut placement = plan(Default::default()).map_err(fix)?;
-    if placement.gpu_layers > 0 && !placement.head_on_gpu {
-        // A split's speed estimate: the host's bandwidth measured (~2 s), the GPU's from its driver.
-        let bandwidths = headroom_memory::Bandwidths {
+/// Where the model's layers live on the GPU worker's device (`[memory] gpu_layers`), planned
+/// from the VRAM free at each launch of the GPU worker: all of them when they fit with one
+/// request of `split_min_context_tokens`, otherwise the last ones that do (a split), none when
+/// not one layer fits (the GPU worker then does not start). The start plans with it, and the
+/// supervisor again before every later launch ([`headroom_router::LayerPlanner`]).
+struct LayerPlacement {
+    bundle: ModelBundle,
+    device: Device,
+    memory: MemoryConfig,
+    /// The count came from Settings: one that no longer fits falls back to "auto" (a saved
+    /// choice must not keep the GPU down), where one from the config file is an error.
+    from_settings: bool,
+    /// Measured once, at the first split (the host's read bandwidth takes ~2 s to measure).
+    bandwidths: std::sync::OnceLock<headroom_memory::Bandwidths>,
+}
+
+impl LayerPlacement {
+    /// The VRAM the GPU worker's device offers now (no Headroom worker holds any yet): the
+    /// driver's reading on CUDA (`None` without NVML: every layer loads and admission finds out),
+    /// the whole of the sim GPU.
+    fn room_at_start(&self, sim_vram_mib: u64) -> Option<headroom_router::VramRoom> {
+        match self.device {
+            Device::Cuda(index) => headroom_memory::observe::gpu_memory(index).map(|r| headroom_router::VramRoom { total_bytes: r.total_bytes, free_bytes: r.free_bytes }),
+            _ => Some(headroom_router::VramRoom { total_bytes: sim_vram_mib * headroom_memory::MIB, free_bytes: sim_vram_mib * headroom_memory::MIB }),
+        }
+    }
+
+    fn plan(&self, room: headroom_router::VramRoom) -> Result<headroom_memory::SplitPlan, String> {
+        let label = self.device.label();
+        let usable = room.free_bytes.min(room.total_bytes).saturating_sub(self.memory.vram_reserve_bytes(room.total_bytes));
+        let chunk = headroom_model::generate::default_prefill_chunk() as u64;
+        let plan = |memory: &MemoryConfig, bandwidths| headroom_memory::plan_model_split(&self.bundle, &label, memory, usable, 1, chunk, bandwidths);
+        let fix = |e: String| format!("{e}. Set `gpu_layers` in [memory] (or HEADROOM_GPU_LAYERS) to a count that fits, or to \"auto\".");
+        let memory = match plan(&self.memory, Default::default()) {
+            Err(e) if self.from_settings => {
+                eprintln!("headroom: the gpu_layers setting does not fit now ({}); placing as many layers as fit", fix(e));
+                MemoryConfig { gpu_layers: headroom_memory::GpuLayers::Auto, ..self.memory.clone() }
+            }
+            Err(e) => return Err(fix(e)),
+            Ok(_) => self.memory.clone(),
+        };
+        let placement = plan(&memory, Default::default()).map_err(fix)?;
+        if placement.gpu_layers == 0 || placement.head_on_gpu {
+            return Ok(placement);
+        }
+        // A split's speed estimate: the host's bandwidth measured, the GPU's from its driver.
+        let bandwidths = *self.bandwidths.get_or_init(|| headroom_memory::Bandwidths {
             host: Some(headroom_model::cpu::measure_read_bandwidth()),
-            gpu: match gpu.device {
+            gpu: match self.device {
                 Device::Cuda(index) => headroom_model::device::cuda_memory_bandwidth(index as i32),
                 _ => None,
             },
-        };
-        placement = plan(bandwidths).map_err(fix)?;
-        gpu.gpu_layers = Some(placement.gpu_layers);
+        });
+        plan(&memory, bandwidths).map_err(fix)
     }
-    Ok(Some(placement))
 }
 
 /// What an embedding app (the desktop shell) gets once the server listens.
@@ -314,24 +337,27 @@ pub async fn run(
     let model_dir = resolve_model(&args.model);
     let bundle = ModelBundle::open(&model_dir).with_context(|| format!("cannot open the model folder {}", model_dir.display()))?;
     let mut gpu = gpu_worker(args.gpu, args.sim_vram_mib, settings.gpu_device)?;
-    let placement = match gpu.as_mut() {
-        Some(gpu) => {
-            let planned = MemoryConfig { vram_reserve_mib: settings.vram_reserve_mib, gpu_layers: settings.gpu_layers.unwrap_or(memory.gpu_layers), ..memory.clone() };
-            match place_layers(&bundle, gpu, &planned) {
-                // A count saved from Settings that no longer fits (less free VRAM than when it
-                // was chosen) must not stop the service: place what fits, and say so.
-                Err(e) if settings.gpu_layers.is_some() => {
-                    eprintln!("headroom: the gpu_layers setting does not fit now ({e:#}); placing as many layers as fit");
-                    place_layers(&bundle, gpu, &MemoryConfig { gpu_layers: headroom_memory::GpuLayers::Auto, ..planned })?
-                }
-                placed => placed?,
+    let layer_placement = gpu.as_ref().map(|gpu| {
+        Arc::new(LayerPlacement {
+            bundle: bundle.clone(),
+            device: gpu.device,
+            memory: MemoryConfig { vram_reserve_mib: settings.vram_reserve_mib, gpu_layers: settings.gpu_layers.unwrap_or(memory.gpu_layers), ..memory.clone() },
+            from_settings: settings.gpu_layers.is_some(),
+            bandwidths: Default::default(),
+        })
+    });
+    let placement = match (&layer_placement, gpu.as_mut()) {
+        (Some(placer), Some(gpu)) => match placer.room_at_start(gpu.sim_vram_mib) {
+            Some(room) => {
+                let plan = placer.plan(room).map_err(anyhow::Error::msg)?;
+                gpu.gpu_layers = (!plan.head_on_gpu && plan.gpu_layers > 0).then_some(plan.gpu_layers);
+                eprintln!("headroom: {}", plan.reason);
+                Some(plan)
             }
-        }
-        None => None,
+            None => None,
+        },
+        _ => None,
     };
-    if let (Some(plan), Some(_)) = (&placement, &gpu) {
-        eprintln!("headroom: {}", plan.reason);
-    }
     let gpu = gpu.filter(|_| placement.as_ref().is_none_or(|p| p.gpu_layers > 0));
     let mut cpu = WorkerOptions::new(Device::Cpu);
     cpu.max_concurrency = settings.cpu_max_concurrency;
@@ -345,6 +371,8 @@ pub async fn run(
         config.cpu_fallback_model_dir = settings.fallback_model.clone();
         config.supervision = supervision;
         config.gpu_paused = settings.gpu_paused;
+        config.placement = placement;
+        config.replan = layer_placement.filter(|_| config.gpu.is_some()).map(|placer| headroom_router::LayerPlanner(Arc::new(move |room| placer.plan(room))));
         eprintln!("headroom: starting workers for {} ({})", bundle.name(), bundle.short_hash());
         let supervisor = Supervisor::start(config).await.context("cannot start the workers")?;
         // A split GPU worker's share of each request follows from its `Ready` (the dispatcher's
@@ -373,7 +401,6 @@ pub async fn run(
             api_key,
             sim_faults: args.gpu == GpuChoice::Sim,
             created_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
-            placement,
         });
         let app = headroom_server::app(state, &server);
         let in_process = app.clone();

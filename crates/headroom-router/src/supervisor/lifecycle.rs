@@ -43,6 +43,14 @@ impl Supervisor {
                         reason: self.inner.breaker.lock().unwrap().reason().to_string(),
                     });
                     tokio::time::sleep(delay).await;
+                    // Off the runtime's threads: a split's first plan measures the host's bandwidth.
+                    let this = self.clone();
+                    let replanned = tokio::task::spawn_blocking(move || this.replan_gpu()).await.unwrap_or_else(|e| Err(format!("the layer plan failed: {e}")));
+                    if let Err(why) = replanned {
+                        // Serve from the CPU and look again after the next backoff.
+                        self.trip(FailureCause::DeviceLost, &why);
+                        continue;
+                    }
                     let spec = self.gpu_spec().expect("watching a configured GPU");
                     let spawned = self.inner.config.launcher.launch(&spec).await;
                     match spawned {

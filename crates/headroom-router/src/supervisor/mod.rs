@@ -94,6 +94,32 @@ pub struct SupervisorConfig {
     pub worker_env: Vec<(String, String)>,
     /// How workers start: processes of `program` in the service; in-process in the router's tests.
     pub launcher: Arc<dyn WorkerLauncher>,
+    /// Where the model's layers were placed for the GPU worker's first launch (`gpu` carries its
+    /// `gpu_layers`); `None` when nothing was planned (no GPU, or no memory reading).
+    pub placement: Option<headroom_memory::SplitPlan>,
+    /// Places the layers again before each later launch of the GPU worker (a restart, a resume
+    /// from pause), from the VRAM free then: a competing program that took memory shrinks the
+    /// split, one that left lets it grow. `None`: every launch loads what the first one did.
+    pub replan: Option<LayerPlanner>,
+}
+
+/// The VRAM a GPU worker about to launch can have: the device's capacity, and what is free of
+/// it (other programs subtracted; no Headroom worker holds any then).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VramRoom {
+    pub total_bytes: u64,
+    pub free_bytes: u64,
+}
+
+/// Plans the GPU worker's layers for the VRAM free now: `Err` says why no plan could be made
+/// (a fixed `gpu_layers` that does not fit).
+#[derive(Clone)]
+pub struct LayerPlanner(pub Arc<dyn Fn(VramRoom) -> std::result::Result<headroom_memory::SplitPlan, String> + Send + Sync>);
+
+impl std::fmt::Debug for LayerPlanner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LayerPlanner")
+    }
 }
 
 /// What the CPU worker runs: its options and model. Settings change it live
@@ -117,6 +143,8 @@ impl SupervisorConfig {
             gpu_paused: false,
             worker_env: Vec::new(),
             launcher: Arc::new(ProcessLauncher),
+            placement: None,
+            replan: None,
         }
     }
 }
@@ -136,6 +164,8 @@ struct Inner {
     replacing_cpu: tokio::sync::Mutex<()>,
     /// The GPU paused from settings: nothing new goes to it, and its worker exits once idle.
     gpu_paused: tokio::sync::watch::Sender<bool>,
+    /// The layer placement the GPU worker was last launched with (or waits for).
+    placement: RwLock<Option<headroom_memory::SplitPlan>>,
 }
 
 #[derive(Clone)]
@@ -194,6 +224,7 @@ impl Supervisor {
             cpu_setup: RwLock::new(CpuSetup { options: config.cpu.clone(), fallback_model_dir: config.cpu_fallback_model_dir.clone() }),
             replacing_cpu: tokio::sync::Mutex::new(()),
             gpu_paused: tokio::sync::watch::channel(config.gpu_paused).0,
+            placement: RwLock::new(config.placement.clone()),
             config,
             gpu: RwLock::new(None),
             cpu: RwLock::new(None),
@@ -309,11 +340,20 @@ impl Supervisor {
         }
     }
 
+    /// The GPU worker's launch: its options with the layers of the placement in force.
     fn gpu_spec(&self) -> Option<WorkerSpec> {
         let c = &self.inner.config;
+        let placement = self.placement();
         c.gpu.as_ref().map(|options| WorkerSpec {
             program: c.program.clone(),
-            options: options.clone(),
+            options: WorkerOptions {
+                gpu_layers: match &placement {
+                    Some(plan) if !plan.head_on_gpu => Some(plan.gpu_layers),
+                    Some(_) => None,
+                    None => options.gpu_layers,
+                },
+                ..options.clone()
+            },
             model_dir: c.model_dir.clone(),
             load_timeout: Duration::from_millis(c.supervision.load_timeout_ms),
             env: c.worker_env.clone(),
@@ -377,6 +417,56 @@ impl Supervisor {
         }
     }
 
+    /// Where the model's layers live on the GPU worker's device now: the plan of its latest
+    /// launch (or of the launch that waits for room), `None` when nothing was planned.
+    pub fn placement(&self) -> Option<headroom_memory::SplitPlan> {
+        self.inner.placement.read().unwrap().clone()
+    }
+
+    /// The VRAM the GPU worker about to launch can have: the driver's reading on CUDA; on the
+    /// sim GPU its size less the competing workload the launch re-applies.
+    fn vram_room(&self) -> Option<VramRoom> {
+        let options = self.inner.config.gpu.as_ref()?;
+        match options.device {
+            Device::Cuda(index) => headroom_memory::observe::gpu_memory(index).map(|r| VramRoom { total_bytes: r.total_bytes, free_bytes: r.free_bytes }),
+            Device::Sim => {
+                let total = options.sim_vram_mib * headroom_memory::MIB;
+                let competing: u64 = self.inner.sim_environment.lock().unwrap().iter().map(|f| match f {
+                    Fault::Compete { mib } => mib * headroom_memory::MIB,
+                    _ => 0,
+                }).sum();
+                Some(VramRoom { total_bytes: total, free_bytes: total.saturating_sub(competing) })
+            }
+            Device::Cpu => None,
+        }
+    }
+
+    /// Places the layers again for the GPU worker's next launch (see [`SupervisorConfig::replan`]).
+    /// `Err` says why it must not launch now: not one layer fits, or a fixed count does not.
+    fn replan_gpu(&self) -> std::result::Result<(), String> {
+        let (Some(planner), Some(room)) = (self.inner.config.replan.as_ref(), self.vram_room()) else { return Ok(()) };
+        // Test-only: launch with the start's placement whatever the VRAM now (the negative
+        // control of the re-planning pressure check).
+        if headroom_model::test_defect("no-replan") {
+            return Ok(());
+        }
+        let plan = (planner.0)(room)?;
+        let before = self.inner.placement.write().unwrap().replace(plan.clone());
+        if before.as_ref().map(|p| (p.gpu_layers, p.head_on_gpu)) != Some((plan.gpu_layers, plan.head_on_gpu)) {
+            self.emit(EventKind::PlacementChanged {
+                placement: plan.placement(),
+                gpu_layers: plan.gpu_layers,
+                layers: plan.layers,
+                predicted_decode_tok_s: plan.predicted_decode_tok_s,
+                reason: plan.reason.clone(),
+            });
+        }
+        if plan.gpu_layers == 0 {
+            return Err(format!("not one layer fits on the GPU now: {}", plan.reason));
+        }
+        Ok(())
+    }
+
     pub fn config(&self) -> &SupervisorConfig {
         &self.inner.config
     }
@@ -390,25 +480,36 @@ impl Supervisor {
     }
 
     /// Injects a fault into the sim GPU worker. Environment faults (competing workload,
-    /// slowdown) are re-applied to every restarted worker; `Clear` forgets them.
+    /// slowdown) are re-applied to every restarted worker; `Clear` forgets them. While no GPU
+    /// worker runs (between a death and its restart), an environment fault is kept for the
+    /// next launch, which plans its layers with it.
     pub async fn inject_fault(&self, fault: Fault) -> Result<()> {
-        let worker = self.gpu_worker().ok_or_else(|| Error::Invalid("no GPU worker is running".into()))?;
-        if worker.device != Device::Sim {
-            return Err(Error::Invalid(format!("fault injection needs --gpu sim; the GPU worker is {}", worker.device)));
+        match self.inner.config.gpu.as_ref().map(|g| g.device) {
+            Some(Device::Sim) => {}
+            Some(device) => return Err(Error::Invalid(format!("fault injection needs --gpu sim; the GPU worker is {device}"))),
+            None => return Err(Error::Invalid("fault injection needs --gpu sim; no GPU worker is configured".into())),
         }
-        {
+        let environment = matches!(fault, Fault::Compete { .. } | Fault::Slowdown { .. } | Fault::Clear);
+        if environment {
             let mut env = self.inner.sim_environment.lock().unwrap();
             match &fault {
                 Fault::Compete { .. } => env.retain(|f| !matches!(f, Fault::Compete { .. })),
                 Fault::Slowdown { .. } => env.retain(|f| !matches!(f, Fault::Slowdown { .. })),
-                Fault::Clear => env.clear(),
-                _ => {}
+                _ => env.clear(),
             }
-            if matches!(fault, Fault::Compete { .. } | Fault::Slowdown { .. }) {
+            if !matches!(fault, Fault::Clear) {
                 env.push(fault.clone());
             }
         }
-        worker.fault(fault).await
+        match self.gpu_worker() {
+            Some(worker) => match worker.fault(fault).await {
+                // It died meanwhile: its successor gets the environment at launch.
+                Err(_) if environment && worker.has_exited() => Ok(()),
+                applied => applied,
+            },
+            None if environment => Ok(()),
+            None => Err(Error::Invalid("no GPU worker is running".into())),
+        }
     }
 
     /// Stops both workers.
