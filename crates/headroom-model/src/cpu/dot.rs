@@ -367,7 +367,7 @@ pub struct Kernels {
     pub tile32: Option<super::tile::Tile32Kernel>,
     /// The same for F32, F16 and BF16 rows: their widening into columns, and the kernel.
     pub float_tile: Option<(super::tile::FloatUnpack, super::tile::FloatTileKernel)>,
-    /// The products of Q4_0, Q4_1 and Q8_0 weights repacked into groups of 8 rows
+    /// The products of Q4_0, Q4_1 and Q8_0 weights repacked into groups of 16 rows
     /// ([`super::interleave`]), for every token count, where there is one: matrices of those
     /// types are then repacked at load.
     pub interleaved32: Option<super::interleave::InterleavedKernel>,

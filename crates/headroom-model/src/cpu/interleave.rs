@@ -1,15 +1,17 @@
-//! Q4_0, Q4_1 and Q8_0 weights repacked at load into groups of 8 rows whose vector lanes are the
+//! Q4_0, Q4_1 and Q8_0 weights repacked at load into groups of 16 rows whose vector lanes are the
 //! rows (llama.cpp's CPU "repack" does the same for its x86 kernels), so that one product kernel
 //! serves every token count — a lone decode step, a batch of sequences' steps, a prefill — with
 //! the same arithmetic for each token.
 //!
 //! The row kernels of [`super::dot`] spend per 32-weight block and token a float scale, a
 //! conversion and a fused multiply-add on one row, and sum across lanes at the end; unpacking is
-//! repeated for every pair of tokens. Here one 256-bit `vpdpbusd` multiplies 4 columns of all 8
-//! rows with 4 activations, one float step per block scales 8 rows at once, and each weight load
-//! serves up to 4 tokens. A decode step then costs about half the instructions of the row
-//! kernels, so it streams weights close to the memory's rate, and a batch of 4 sequences reads
-//! the weights once for all four.
+//! repeated for every pair of tokens. Here one 512-bit `vpdpbusd` multiplies 4 columns of all 16
+//! rows with 4 activations, one float step per block scales 16 rows at once, and each weight
+//! load serves up to 4 tokens. A decode step streams weights at the memory's rate, and a batch
+//! of sequences reads the weights once for all of them; what a batch adds per sequence (the
+//! products and float steps of its activations) is half of what 256-bit vectors over 8 rows
+//! cost (measured here: `vpdpbusd` on 512 bits runs at 86% of the 256-bit rate per
+//! instruction, so 1.7× the products per cycle).
 //!
 //! Every lane takes the scalar reference's steps (exact integer sums per block, then
 //! `d · d_act · (Σ − offset · Σ_act)` or `d · d_act · Σ` added block after block, Q4_1's
@@ -17,30 +19,33 @@
 //! a product equals [`super::dot`]'s scalar reference bit for bit whatever the token count, and a
 //! sequence's logits in a batch equal its lone step's.
 //!
-//! A record holds one block (32 columns) of a group's 8 rows, the same bytes as the 8 blocks it
-//! replaces: the 8 f16 scales, Q4_1's 8 f16 minimums, then the quants — for the 4-bit types 4 ×
-//! 32 bytes, where bytes `4r..4r + 4` of the `h`-th 32 are row `r`'s packed bytes `4h..4h + 4`
-//! (low nibbles: columns `4h..4h + 4`, high nibbles: `16 + 4h..`); for Q8_0 8 × 32 bytes, row
-//! `r`'s columns `4g..4g + 4` at `32g + 4r`, stored `+ 128` (unsigned, as `vpdpbusd` takes its
+//! A record holds one block (32 columns) of a group's 16 rows, the same bytes as the 16 blocks it
+//! replaces: the 16 f16 scales, Q4_1's 16 f16 minimums, then the quants — for the 4-bit types 4
+//! × 64 bytes, where bytes `4r..4r + 4` of the `h`-th 64 are row `r`'s packed bytes `4h..4h + 4`
+//! (low nibbles: columns `4h..4h + 4`, high nibbles: `16 + 4h..`); for Q8_0 8 × 64 bytes, row
+//! `r`'s columns `4g..4g + 4` at `64g + 4r`, stored `+ 128` (unsigned, as `vpdpbusd` takes its
 //! first operand). A group's records follow each other, groups follow each other. Only matrices
 //! of whole groups are repacked (every model's are; a remainder would make the engine hold more
 //! bytes than the file, which admission counts).
 
 use super::dot::{f16_at, Q8x32};
-use super::tile::{combine32, Combine32, ROWS, TOKENS};
+use super::tile::{combine32, Combine32, TOKENS};
+
+/// Rows per group: the lanes of one 512-bit vector of f32 sums.
+pub const GROUP: usize = 16;
 use crate::quants::GgmlType;
 
 /// Bytes of one record of `ty` (8 rows × one block), `None` for types not repacked.
 pub fn record_bytes(ty: GgmlType) -> Option<usize> {
-    combine32(ty).map(|_| ROWS * ty.block_bytes())
+    combine32(ty).map(|_| GROUP * ty.block_bytes())
 }
 
 /// Where a record's quants start: after the scales (and Q4_1's minimums).
 fn quants_at(ty: GgmlType) -> usize {
     if ty == GgmlType::Q4_1 {
-        4 * ROWS
+        4 * GROUP
     } else {
-        2 * ROWS
+        2 * GROUP
     }
 }
 
@@ -50,29 +55,29 @@ pub fn interleave(ty: GgmlType, w: &[u8], row_bytes: usize, out: &mut [u8]) {
     let rec = record_bytes(ty).expect("a 32-value type");
     let size = ty.block_bytes();
     let blocks = row_bytes / size;
-    assert!(w.len() % (ROWS * row_bytes) == 0 && out.len() == w.len(), "whole groups of {ROWS} rows");
+    assert!(w.len() % (GROUP * row_bytes) == 0 && out.len() == w.len(), "whole groups of {GROUP} rows");
     let q = quants_at(ty);
     for (r, row) in w.chunks_exact(row_bytes).enumerate() {
-        let (group, lane) = (r / ROWS, r % ROWS);
+        let (group, lane) = (r / GROUP, r % GROUP);
         for (i, b) in row.chunks_exact(size).enumerate() {
             let o = &mut out[(group * blocks + i) * rec..][..rec];
             o[2 * lane..2 * lane + 2].copy_from_slice(&b[0..2]);
             match ty {
                 GgmlType::Q4_0 | GgmlType::Q4_1 => {
                     let packed = if ty == GgmlType::Q4_1 {
-                        o[2 * ROWS + 2 * lane..2 * ROWS + 2 * lane + 2].copy_from_slice(&b[2..4]);
+                        o[2 * GROUP + 2 * lane..2 * GROUP + 2 * lane + 2].copy_from_slice(&b[2..4]);
                         &b[4..20]
                     } else {
                         &b[2..18]
                     };
                     for h in 0..4 {
-                        o[q + 32 * h + 4 * lane..][..4].copy_from_slice(&packed[4 * h..4 * h + 4]);
+                        o[q + 4 * GROUP * h + 4 * lane..][..4].copy_from_slice(&packed[4 * h..4 * h + 4]);
                     }
                 }
                 _ => {
                     for g in 0..8 {
                         for j in 0..4 {
-                            o[q + 32 * g + 4 * lane + j] = b[2 + 4 * g + j] ^ 0x80;
+                            o[q + 4 * GROUP * g + 4 * lane + j] = b[2 + 4 * g + j] ^ 0x80;
                         }
                     }
                 }
@@ -87,7 +92,7 @@ pub fn row(ty: GgmlType, records: &[u8], row_bytes: usize, r: usize) -> Vec<u8> 
     let size = ty.block_bytes();
     let blocks = row_bytes / size;
     let q = quants_at(ty);
-    let (group, lane) = (r / ROWS, r % ROWS);
+    let (group, lane) = (r / GROUP, r % GROUP);
     let mut out = vec![0u8; row_bytes];
     for (i, b) in out.chunks_exact_mut(size).enumerate() {
         let o = &records[(group * blocks + i) * rec..][..rec];
@@ -95,19 +100,19 @@ pub fn row(ty: GgmlType, records: &[u8], row_bytes: usize, r: usize) -> Vec<u8> 
         match ty {
             GgmlType::Q4_0 | GgmlType::Q4_1 => {
                 let at = if ty == GgmlType::Q4_1 {
-                    b[2..4].copy_from_slice(&o[2 * ROWS + 2 * lane..2 * ROWS + 2 * lane + 2]);
+                    b[2..4].copy_from_slice(&o[2 * GROUP + 2 * lane..2 * GROUP + 2 * lane + 2]);
                     4
                 } else {
                     2
                 };
                 for h in 0..4 {
-                    b[at + 4 * h..at + 4 * h + 4].copy_from_slice(&o[q + 32 * h + 4 * lane..][..4]);
+                    b[at + 4 * h..at + 4 * h + 4].copy_from_slice(&o[q + 4 * GROUP * h + 4 * lane..][..4]);
                 }
             }
             _ => {
                 for g in 0..8 {
                     for j in 0..4 {
-                        b[2 + 4 * g + j] = o[q + 32 * g + 4 * lane + j] ^ 0x80;
+                        b[2 + 4 * g + j] = o[q + 4 * GROUP * g + 4 * lane + j] ^ 0x80;
                     }
                 }
             }
@@ -118,28 +123,28 @@ pub fn row(ty: GgmlType, records: &[u8], row_bytes: usize, r: usize) -> Vec<u8> 
 
 /// `out[t][r]` = row `r` of a group (its records, one per block) times token `t` (`a[t]`, one
 /// activation block per block), for 1 to [`TOKENS`] tokens.
-pub type InterleavedKernel = fn(ty: GgmlType, records: &[u8], a: &[&[Q8x32]], out: &mut [[f32; ROWS]; TOKENS]);
+pub type InterleavedKernel = fn(ty: GgmlType, records: &[u8], a: &[&[Q8x32]], out: &mut [[f32; GROUP]; TOKENS]);
 
 /// The quant of lane `r`, column `c` of a record, unsigned (see the module's layout).
 fn quant(ty: GgmlType, o: &[u8], r: usize, c: usize) -> i32 {
     let q = quants_at(ty);
     match ty {
         GgmlType::Q4_0 | GgmlType::Q4_1 => {
-            let byte = o[q + 32 * (c % 16 / 4) + 4 * r + c % 4];
+            let byte = o[q + 4 * GROUP * (c % 16 / 4) + 4 * r + c % 4];
             (if c < 16 { byte & 0x0f } else { byte >> 4 }) as i32
         }
-        _ => o[q + 32 * (c / 4) + 4 * r + c % 4] as i32,
+        _ => o[q + 4 * GROUP * (c / 4) + 4 * r + c % 4] as i32,
     }
 }
 
 /// The scalar form of the kernel: the tests' check of the layout, and the kernel where no SIMD
 /// form exists. With `reordered`, the blocks are added last to first (another rounding): the
 /// negative control of batch invariance, for products of a batch's steps.
-pub fn scalar(ty: GgmlType, records: &[u8], a: &[&[Q8x32]], out: &mut [[f32; ROWS]; TOKENS], reordered: bool) {
+pub fn scalar(ty: GgmlType, records: &[u8], a: &[&[Q8x32]], out: &mut [[f32; GROUP]; TOKENS], reordered: bool) {
     let rec = record_bytes(ty).expect("a 32-value type");
     let combine = combine32(ty).expect("a 32-value type");
     for (t, a) in a.iter().enumerate() {
-        for r in 0..ROWS {
+        for r in 0..GROUP {
             let (mut sum, mut mins) = (0f32, 0f32);
             let mut blocks: Vec<(&[u8], &Q8x32)> = records.chunks_exact(rec).zip(a.iter()).collect();
             if reordered {
@@ -151,7 +156,7 @@ pub fn scalar(ty: GgmlType, records: &[u8], a: &[&[Q8x32]], out: &mut [[f32; ROW
                 sum += match combine {
                     Combine32::Offset(offset) => d * a.d * (isum - offset * a.sum) as f32,
                     Combine32::Min => {
-                        mins += f16_at(o, 2 * ROWS + 2 * r) * a.s;
+                        mins += f16_at(o, 2 * GROUP + 2 * r) * a.s;
                         d * a.d * isum as f32
                     }
                 };
@@ -161,7 +166,7 @@ pub fn scalar(ty: GgmlType, records: &[u8], a: &[&[Q8x32]], out: &mut [[f32; ROW
     }
 }
 
-/// The kernel with AVX-512 VNNI (`vpdpbusd` on 256-bit vectors).
+/// The kernel with AVX-512 VNNI (`vpdpbusd` on 512-bit vectors, a lane per row of the group).
 #[cfg(target_arch = "x86_64")]
 pub(super) mod vnni {
     #![allow(unsafe_op_in_unsafe_fn)]
@@ -169,7 +174,7 @@ pub(super) mod vnni {
 
     use super::*;
 
-    pub fn kernel(ty: GgmlType, records: &[u8], a: &[&[Q8x32]], out: &mut [[f32; ROWS]; TOKENS]) {
+    pub fn kernel(ty: GgmlType, records: &[u8], a: &[&[Q8x32]], out: &mut [[f32; GROUP]; TOKENS]) {
         let rec = record_bytes(ty).expect("a 32-value type");
         let blocks = records.len() / rec;
         assert_eq!(records.len(), blocks * rec);
@@ -202,62 +207,78 @@ pub(super) mod vnni {
         }
     }
 
+    /// How far ahead of the record being multiplied its successors are asked for.
+    const AHEAD: usize = 8192;
+
+    /// Activations `at..at + 4` of a block in every 32-bit lane.
     #[inline(always)]
-    unsafe fn four(a: &Q8x32, at: usize) -> __m256i {
-        _mm256_set1_epi32(std::ptr::read_unaligned(a.qs.as_ptr().add(at) as *const i32))
+    unsafe fn four(a: &Q8x32, at: usize) -> __m512i {
+        _mm512_set1_epi32(std::ptr::read_unaligned(a.qs.as_ptr().add(at) as *const i32))
     }
 
     /// `KIND`: 0 Q4_0, 1 Q4_1, 2 Q8_0; `(rec, q, offset)`: the type's record bytes, where its
     /// quants start, its quants' offset.
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     unsafe fn tokens<const T: usize, const KIND: u8>(
         records: *const u8,
         blocks: usize,
         (rec, q, offset): (usize, usize, i32),
         a: &[&[Q8x32]],
-        out: &mut [[f32; ROWS]; TOKENS],
+        out: &mut [[f32; GROUP]; TOKENS],
     ) {
-        let low = _mm256_set1_epi8(0x0f);
-        let mut sum = [_mm256_setzero_ps(); T];
+        let low = _mm512_set1_epi8(0x0f);
+        let mut sum = [_mm512_setzero_ps(); T];
         // Q4_1's minimums' terms, summed apart (see `dot::scalar::q4_1`).
-        let mut mins = [_mm256_setzero_ps(); T];
+        let mut mins = [_mm512_setzero_ps(); T];
         for i in 0..blocks {
             let o = records.add(i * rec);
+            // With several tokens the kernel spends longer per byte and the hardware prefetcher
+            // (which stops at each 4 KiB page) falls behind: ask for the record `AHEAD` bytes
+            // on. A lone token streams at the memory's rate without it, and the requests would
+            // cost a compute-bound decode (a model in the L3 cache) ~20%. `wrapping_add`: past
+            // the matrix's end a prefetch does nothing.
+            if T > 1 {
+                for line in (0..rec).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(o.wrapping_add(AHEAD + line) as *const i8);
+                }
+            }
             let ab: [&Q8x32; T] = std::array::from_fn(|t| a[t].get_unchecked(i));
-            let mut isum = [_mm256_setzero_si256(); T];
+            // The quants' offset times the activations' sum starts the integer sum (Q4_1 has
+            // none): the same integer as subtracting it after, one vector step less per token.
+            let mut isum: [__m512i; T] = std::array::from_fn(|t| _mm512_set1_epi32(-offset * ab[t].sum));
             if KIND == 2 {
                 for g in 0..8 {
-                    let w = _mm256_loadu_si256(o.add(q + 32 * g) as *const __m256i);
+                    let w = _mm512_loadu_si512(o.add(q + 4 * GROUP * g) as *const __m512i);
                     for t in 0..T {
-                        isum[t] = _mm256_dpbusd_epi32(isum[t], w, four(ab[t], 4 * g));
+                        isum[t] = _mm512_dpbusd_epi32(isum[t], w, four(ab[t], 4 * g));
                     }
                 }
             } else {
                 for h in 0..4 {
-                    let v = _mm256_loadu_si256(o.add(q + 32 * h) as *const __m256i);
-                    let (lo, hi) = (_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16::<4>(v), low));
+                    let v = _mm512_loadu_si512(o.add(q + 4 * GROUP * h) as *const __m512i);
+                    let (lo, hi) = (_mm512_and_si512(v, low), _mm512_and_si512(_mm512_srli_epi16::<4>(v), low));
                     for t in 0..T {
-                        isum[t] = _mm256_dpbusd_epi32(isum[t], lo, four(ab[t], 4 * h));
-                        isum[t] = _mm256_dpbusd_epi32(isum[t], hi, four(ab[t], 16 + 4 * h));
+                        isum[t] = _mm512_dpbusd_epi32(isum[t], lo, four(ab[t], 4 * h));
+                        isum[t] = _mm512_dpbusd_epi32(isum[t], hi, four(ab[t], 16 + 4 * h));
                     }
                 }
             }
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(o as *const __m128i));
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(o as *const __m256i));
             // The scalar reference's float steps, lane by lane (no fused multiply-adds).
             for t in 0..T {
-                let scale = _mm256_mul_ps(d, _mm256_set1_ps(ab[t].d));
+                let scale = _mm512_mul_ps(d, _mm512_set1_ps(ab[t].d));
                 let part = if KIND == 1 {
-                    let m = _mm256_cvtph_ps(_mm_loadu_si128(o.add(2 * ROWS) as *const __m128i));
-                    mins[t] = _mm256_add_ps(mins[t], _mm256_mul_ps(m, _mm256_set1_ps(ab[t].s)));
-                    _mm256_mul_ps(scale, _mm256_cvtepi32_ps(isum[t]))
+                    let m = _mm512_cvtph_ps(_mm256_loadu_si256(o.add(2 * GROUP) as *const __m256i));
+                    mins[t] = _mm512_add_ps(mins[t], _mm512_mul_ps(m, _mm512_set1_ps(ab[t].s)));
+                    _mm512_mul_ps(scale, _mm512_cvtepi32_ps(isum[t]))
                 } else {
-                    _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[t], _mm256_set1_epi32(offset * ab[t].sum))))
+                    _mm512_mul_ps(scale, _mm512_cvtepi32_ps(isum[t]))
                 };
-                sum[t] = _mm256_add_ps(sum[t], part);
+                sum[t] = _mm512_add_ps(sum[t], part);
             }
         }
         for t in 0..T {
-            _mm256_storeu_ps(out[t].as_mut_ptr(), _mm256_add_ps(sum[t], mins[t]));
+            _mm512_storeu_ps(out[t].as_mut_ptr(), _mm512_add_ps(sum[t], mins[t]));
         }
     }
 }
@@ -282,7 +303,7 @@ mod tests {
     fn rows_come_back_from_the_records() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
         for &(ty, scale_at) in TYPES.iter().filter(|(ty, _)| record_bytes(*ty).is_some()) {
-            let (rows, cols) = (16, 96);
+            let (rows, cols) = (2 * GROUP, 96);
             let row_bytes = cols / 32 * ty.block_bytes();
             let (w, records) = weights(ty, scale_at, rows, cols, &mut rng);
             assert_eq!(records.len(), 2 * 3 * record_bytes(ty).unwrap());
@@ -298,7 +319,7 @@ mod tests {
     fn kernels_equal_the_row_reference_exactly() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(4);
         for &(ty, scale_at) in TYPES.iter().filter(|(ty, _)| record_bytes(*ty).is_some()) {
-            let (rows, cols) = (8, 320);
+            let (rows, cols) = (GROUP, 320);
             let row_bytes = cols / 32 * ty.block_bytes();
             let (w, records) = weights(ty, scale_at, rows, cols, &mut rng);
             let q: Vec<Vec<Q8x32>> = (0..TOKENS)
@@ -317,17 +338,17 @@ mod tests {
                     kernels.push((Kernels::detect().name, k));
                 }
                 for (name, kernel) in kernels {
-                    let mut out = [[0f32; ROWS]; TOKENS];
+                    let mut out = [[0f32; GROUP]; TOKENS];
                     kernel(ty, &records, &a, &mut out);
                     for (t, a) in a.iter().enumerate() {
-                        let mut want = [0f32; ROWS];
+                        let mut want = [0f32; GROUP];
                         reference(&w, row_bytes, a, &mut want);
                         assert_eq!(out[t], want, "{ty} {name}: token {t} of {tokens}");
                     }
                 }
-                let mut reordered = [[0f32; ROWS]; TOKENS];
+                let mut reordered = [[0f32; GROUP]; TOKENS];
                 scalar(ty, &records, &a, &mut reordered, true);
-                let mut exact = [[0f32; ROWS]; TOKENS];
+                let mut exact = [[0f32; GROUP]; TOKENS];
                 scalar(ty, &records, &a, &mut exact, false);
                 reordered_differs |= reordered != exact;
             }
@@ -335,3 +356,4 @@ mod tests {
         }
     }
 }
+

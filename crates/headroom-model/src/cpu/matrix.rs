@@ -29,7 +29,7 @@ impl Deref for Bytes {
 
 /// `rows × cols` weights, row-major, each row a whole number of `ty` blocks: the layout GGUF
 /// stores (`[out, in]`), so a product reads every row once, front to back; or, for Q4_0, Q4_1
-/// and Q8_0 where this processor has the kernel and the rows are whole groups of 8, the same
+/// and Q8_0 where this processor has the kernel and the rows are whole groups of 16, the same
 /// bytes repacked into those groups ([`super::interleave`]).
 pub struct PackedMatrix {
     pub ty: GgmlType,
@@ -37,7 +37,7 @@ pub struct PackedMatrix {
     pub cols: usize,
     row_bytes: usize,
     data: Bytes,
-    /// The kernel of repacked weights (`data` then holds records of 8 rows, not rows).
+    /// The kernel of repacked weights (`data` then holds records of 16 rows, not rows).
     interleaved: Option<InterleavedKernel>,
 }
 
@@ -60,13 +60,14 @@ impl PackedMatrix {
         if data.len() != rows * row_bytes {
             return Err(format!("{rows}×{cols} {ty} weights need {} bytes, found {}", rows * row_bytes, data.len()));
         }
-        let interleaved = Kernels::detect().interleaved32.filter(|_| interleave::record_bytes(ty).is_some() && rows % ROWS == 0);
+        let interleaved = Kernels::detect().interleaved32.filter(|_| interleave::record_bytes(ty).is_some() && rows % interleave::GROUP == 0);
         let data = match interleaved {
             Some(_) => {
                 // A few groups at a time, each range of the file released once copied: the copy
                 // never holds the whole matrix twice (resident memory peaks at the model's size).
                 let mut records = vec![0u8; data.len()];
-                let chunk = (1 << 20) / (ROWS * row_bytes).max(1) * ROWS * row_bytes + ROWS * row_bytes;
+                let group = interleave::GROUP * row_bytes;
+                let chunk = (1 << 20) / group.max(1) * group + group;
                 for (at, out) in (0..data.len()).step_by(chunk).zip(records.chunks_mut(chunk)) {
                     interleave::interleave(ty, &data[at..at + out.len()], row_bytes, out);
                     release(&data, at, out.len());
@@ -103,7 +104,7 @@ impl PackedMatrix {
         crate::quants::dequantize(self.ty, &self.row(r), self.cols).expect("row sizes were checked at construction")
     }
 
-    /// Whether the weights are repacked into groups of 8 rows ([`super::interleave`]).
+    /// Whether the weights are repacked into groups of 16 rows ([`super::interleave`]).
     pub fn is_interleaved(&self) -> bool {
         self.interleaved.is_some()
     }
@@ -188,6 +189,7 @@ impl TileKind {
     fn rows(self) -> usize {
         match self {
             TileKind::Float(..) => FLOAT_ROWS,
+            TileKind::Interleaved(_) => interleave::GROUP,
             _ => ROWS,
         }
     }
@@ -351,18 +353,19 @@ fn tiled_task<B: Default + Clone + 'static, A, const R: usize>(
     });
 }
 
-/// Rows `first..last` (whole groups of 8) of a product of repacked weights for every token:
+/// Rows `first..last` (whole groups of 16) of a product of repacked weights for every token:
 /// each group's records, in cache, serve the tokens 4 at a time.
 fn interleaved_task(m: &PackedMatrix, a: &[Q8x32], kernel: InterleavedKernel, out: SharedPtr<f32>, tokens: usize, first: usize, last: usize) {
+    use interleave::GROUP;
     let per = m.cols / 32;
     let group_bytes = per * interleave::record_bytes(m.ty).expect("a repacked type");
-    for r in (first..last).step_by(ROWS) {
-        let n = (last - r).min(ROWS);
-        let records = &m.data[r / ROWS * group_bytes..][..group_bytes];
+    for r in (first..last).step_by(GROUP) {
+        let n = (last - r).min(GROUP);
+        let records = &m.data[r / GROUP * group_bytes..][..group_bytes];
         for t in (0..tokens).step_by(TOKENS) {
             let k = (tokens - t).min(TOKENS);
             let token: [&[Q8x32]; TOKENS] = std::array::from_fn(|j| &a[(t + j).min(tokens - 1) * per..][..per]);
-            let mut sums = [[0f32; ROWS]; TOKENS];
+            let mut sums = [[0f32; GROUP]; TOKENS];
             kernel(m.ty, records, &token[..k], &mut sums);
             for (j, sums) in sums[..k].iter().enumerate() {
                 // SAFETY: rows r..r + n of token t + j belong to this task alone, inside the
