@@ -38,7 +38,7 @@ cargo test --workspace --exclude headroom-bench
 
 # `cargo test` built target/debug/headroom and target/debug/headroom-desktop (integration tests run
 # them); the suites below use them.
-step "python: the openai package against headroom serve (chat, stream, stop, seed, idempotency, cancel, capacity, degraded, kill -9)"
+step "python: the official openai and ollama packages against headroom serve (chat, stream, stop, seed, idempotency, cancel, capacity, degraded, kill -9; Ollama chat, generate, list, show, ps, errors, a stream failing over mid-answer)"
 .venv/bin/python -m pytest -q tests/python
 
 step "reference: GGUF against the gguf package and llama.cpp (dequantization of every type, token ids, teacher-forced top-1 agreement, perplexity; negative controls)"

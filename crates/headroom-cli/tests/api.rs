@@ -428,3 +428,144 @@ async fn a_gpu_saved_as_paused_is_not_started_until_resumed() {
     assert_eq!(api.chat(chat_body(2, 1, false), &[]).await.header("x-headroom-device"), "sim");
     api.stop().await;
 }
+
+/// NDJSON lines of an Ollama stream, parsed.
+fn ndjson(reply: &Reply) -> Vec<Value> {
+    reply.text.lines().filter(|l| !l.trim().is_empty()).map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"))).collect()
+}
+
+fn ollama_chat(num_predict: i64, seed: u64, stream: bool) -> Value {
+    json!({"model": "kjv-demo:latest", "messages": [{"role": "user", "content": "And God said"}], "stream": stream,
+        "options": {"num_predict": num_predict, "seed": seed, "temperature": 0.8}})
+}
+
+/// Ollama's API answers in Ollama's shapes through the same request path: the same seed gives
+/// the same text as the OpenAI route, streamed as NDJSON whose last object carries the
+/// measured timings and Headroom's `headroom` object; the model listing, details, loaded
+/// models and version are there for Ollama's clients.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ollama_api_answers_in_ollama_shapes() {
+    let api = api(false, None).await;
+    let openai = api.chat(chat_body(12, 7, false), &[]).await.json();
+    let expected = openai["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+
+    let plain = api.call("POST", "/api/chat", &[], Some(ollama_chat(12, 7, false).to_string())).await;
+    assert_eq!(plain.status, StatusCode::OK, "{}", plain.text);
+    let body = plain.json();
+    assert_eq!(body["message"]["role"], "assistant");
+    assert_eq!(body["message"]["content"], expected.as_str(), "same seed, same text as /v1/chat/completions");
+    assert_eq!(body["done"], true);
+    assert!(body["done_reason"] == "stop" || body["done_reason"] == "length", "{body}");
+    assert_eq!(body["eval_count"], openai["usage"]["completion_tokens"]);
+    assert_eq!(body["prompt_eval_count"], openai["usage"]["prompt_tokens"]);
+    for field in ["total_duration", "prompt_eval_duration", "eval_duration"] {
+        assert!(body[field].as_u64().is_some_and(|ns| ns > 0), "{field} measured: {body}");
+    }
+    assert!(body["total_duration"].as_u64() >= body["eval_duration"].as_u64());
+    assert!(body["created_at"].as_str().unwrap().ends_with('Z'));
+    assert_eq!(body["headroom"]["device"], "cpu");
+    assert_eq!(plain.header("x-headroom-device"), "cpu");
+
+    let streamed = api.call("POST", "/api/chat", &[], Some(ollama_chat(12, 7, true).to_string())).await;
+    assert_eq!(streamed.status, StatusCode::OK);
+    assert_eq!(streamed.header("content-type"), "application/x-ndjson");
+    let lines = ndjson(&streamed);
+    let (last, pieces) = lines.split_last().unwrap();
+    assert!(pieces.iter().all(|l| l["done"] == false && l["model"] == "kjv-demo:latest"));
+    let text: String = pieces.iter().map(|l| l["message"]["content"].as_str().unwrap()).collect();
+    assert_eq!(text, expected, "the stream says what the plain answer does");
+    assert_eq!(last["done"], true);
+    assert_eq!(last["eval_count"], body["eval_count"]);
+    assert!(last["eval_duration"].as_u64().is_some_and(|ns| ns > 0));
+    assert!(last["headroom"]["request_id"].is_string());
+
+    let generated = api.call("POST", "/api/generate", &[], Some(json!({"model": "kjv-demo", "prompt": "In the beginning", "stream": false, "options": {"num_predict": 5, "seed": 1}}).to_string())).await;
+    assert_eq!(generated.status, StatusCode::OK, "{}", generated.text);
+    assert!(generated.json()["response"].is_string());
+    assert!(generated.json()["eval_count"].as_u64().unwrap() <= 5);
+    let raw = api.call("POST", "/api/generate", &[], Some(json!({"model": "kjv-demo", "prompt": "In the beginning", "raw": true, "options": {"num_predict": 4}}).to_string())).await;
+    let lines = ndjson(&raw);
+    assert!(lines.last().unwrap()["done"] == true && lines.iter().all(|l| l["response"].is_string()), "{}", raw.text);
+    let load = api.call("POST", "/api/generate", &[], Some(json!({"model": "kjv-demo"}).to_string())).await.json();
+    assert_eq!((load["done"].clone(), load["done_reason"].clone()), (json!(true), json!("load")));
+
+    let tags = api.call("GET", "/api/tags", &[], None).await.json();
+    assert_eq!(tags["models"][0]["name"], "kjv-demo:latest");
+    assert!(tags["models"][0]["size"].as_u64().is_some_and(|b| b > 0));
+    assert!(tags["models"][0]["details"]["parameter_size"].as_str().unwrap().ends_with('M'));
+    let show = api.call("POST", "/api/show", &[], Some(json!({"model": "kjv-demo"}).to_string())).await.json();
+    assert_eq!(show["model_info"]["general.architecture"], "llama");
+    assert!(show["model_info"]["llama.context_length"].as_u64().is_some_and(|c| c > 0), "{show}");
+    let ps = api.call("GET", "/api/ps", &[], None).await.json();
+    assert_eq!(ps["models"][0]["headroom"]["device"], "cpu");
+    assert_eq!(ps["models"][0]["size_vram"], 0);
+    assert!(api.call("GET", "/api/version", &[], None).await.json()["version"].is_string());
+    api.stop().await;
+}
+
+/// Bad input to the Ollama routes is a 4xx in Ollama's error shape (`{"error": ...}`) that says
+/// what to fix; nothing is accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_ollama_input_gets_an_ollama_error_that_says_what_to_fix() {
+    let api = api(false, None).await;
+    let with = |patch: Value| {
+        let mut body = ollama_chat(4, 1, false);
+        for (k, v) in patch.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        body.to_string()
+    };
+    for (body, status, says) in [
+        (with(json!({"model": "llama3.2"})), StatusCode::NOT_FOUND, "this server serves \"kjv-demo\""),
+        (with(json!({"format": "json"})), StatusCode::BAD_REQUEST, "format"),
+        (with(json!({"options": {"num_predict": 0}})), StatusCode::BAD_REQUEST, "num_predict = 0"),
+        (with(json!({"options": {"num_ctx": -5}})), StatusCode::BAD_REQUEST, "num_ctx = -5"),
+        (with(json!({"messages": [{"role": "wizard", "content": "hi"}]})), StatusCode::BAD_REQUEST, "wizard"),
+        (with(json!({"messages": [{"role": "user", "content": "look", "images": ["aGk="]}]})), StatusCode::BAD_REQUEST, "text only"),
+        (with(json!({"tools": [{"type": "function"}]})), StatusCode::BAD_REQUEST, "/v1/chat/completions"),
+        ("{not json".to_string(), StatusCode::BAD_REQUEST, "not a valid request"),
+    ] {
+        let r = api.call("POST", "/api/chat", &[], Some(body.clone())).await;
+        assert_eq!(r.status, status, "{body}: {}", r.text);
+        let error = r.json()["error"].as_str().unwrap_or_else(|| panic!("Ollama's error shape: {}", r.text)).to_string();
+        assert!(error.contains(says), "{body}: {error}");
+    }
+    let r = api.call("POST", "/api/show", &[], Some(json!({"model": "nope"}).to_string())).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert!(r.json()["error"].is_string());
+    let s = api.call("GET", "/v1/status", &[], None).await.json();
+    let busy: u64 = s["queues"].as_array().unwrap().iter().map(|q| q["running"].as_u64().unwrap_or(0) + q["waiting"].as_u64().unwrap_or(0)).sum();
+    assert_eq!(busy, 0, "nothing was accepted: {s}");
+    api.stop().await;
+}
+
+/// An Ollama stream whose GPU runs out of memory mid-answer finishes on the CPU: every line
+/// arrives, the last says done with the failover in its `headroom` object, and the text is the
+/// one the GPU alone gives for the same seed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ollama_stream_fails_over_mid_answer_and_finishes() {
+    let api = api(true, None).await;
+    let healthy = api.call("POST", "/api/chat", &[], Some(ollama_chat(16, 3, true).to_string())).await;
+    let lines = ndjson(&healthy);
+    assert_eq!(lines.last().unwrap()["headroom"]["device"], "sim", "{}", healthy.text);
+    let expected: String = lines.iter().filter_map(|l| l["message"]["content"].as_str()).collect();
+    let r = api.call("POST", "/admin/sim/fault", &[], Some(json!({"fault": "oom_after_tokens", "tokens": 4}).to_string())).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    let failed = api.call("POST", "/api/chat", &[], Some(ollama_chat(16, 3, true).to_string())).await;
+    assert_eq!(failed.status, StatusCode::OK);
+    let lines = ndjson(&failed);
+    let last = lines.last().unwrap();
+    assert_eq!(last["done"], true, "{}", failed.text);
+    assert_eq!(last["headroom"]["failovers"][0]["from"], "sim", "{last}");
+    assert_eq!(last["headroom"]["device"], "cpu");
+    let text: String = lines.iter().filter_map(|l| l["message"]["content"].as_str()).collect();
+    assert_eq!(text, expected, "resumed on the CPU without a repeated or lost token");
+    api.stop().await;
+}
+
+/// Its negative control: a stream that ends where the request changes device (as a server
+/// without failover ends it) fails the test.
+#[test]
+fn the_ollama_failover_check_fails_when_the_stream_ends_at_the_failover() {
+    headroom_model::assert_control_fails("an_ollama_stream_fails_over_mid_answer_and_finishes", "ollama-stream-ends-at-failover", "the GPU failed mid-answer");
+}

@@ -3,6 +3,7 @@
 //! web UI. It holds no policy: every decision is the router's.
 
 pub mod error;
+pub mod ollama;
 pub mod openai;
 pub mod sse;
 mod routes;

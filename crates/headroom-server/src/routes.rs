@@ -53,7 +53,10 @@ fn now_unix() -> u64 {
 #[derive(OpenApi)]
 #[openapi(
     info(title = "Headroom", description = "OpenAI-compatible local LLM service that survives running out of VRAM"),
-    paths(chat_completions, completions, models, request_status, cancel_request, status, settings, update_settings, events, healthz, readyz, metrics),
+    paths(
+        chat_completions, completions, models, request_status, cancel_request, status, settings, update_settings, events, healthz, readyz, metrics,
+        crate::ollama::chat, crate::ollama::generate, crate::ollama::tags, crate::ollama::show, crate::ollama::ps, crate::ollama::version
+    ),
     components(schemas(ErrorBody, StatusBody, ReadyBody, CancelBody, SettingsBody))
 )]
 pub struct ApiDoc;
@@ -72,7 +75,8 @@ pub fn router(state: Arc<AppState>, ui_dir: Option<std::path::PathBuf>) -> axum:
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/openapi.json", get(openapi))
-        .route("/v1/{*rest}", axum::routing::any(not_found));
+        .route("/v1/{*rest}", axum::routing::any(not_found))
+        .merge(crate::ollama::routes());
     if state.sim_faults {
         r = r.route("/admin/sim/fault", post(sim_fault));
     }
@@ -117,7 +121,7 @@ fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
     headers.get(name).and_then(|v| v.to_str().ok())
 }
 
-fn submission(headers: &HeaderMap, raw: &Bytes, prepared: &Prepared) -> Result<Submission, ApiError> {
+pub(crate) fn submission(headers: &HeaderMap, raw: &Bytes, prepared: &Prepared) -> Result<Submission, ApiError> {
     let key = header_str(headers, "idempotency-key").map(str::to_string);
     if key.as_deref().is_some_and(|k| k.is_empty() || k.len() > 255) {
         return Err(ApiError::invalid(None, "Idempotency-Key must be 1 to 255 characters"));
@@ -158,7 +162,7 @@ fn apply_placement(placement: &Placement, headers: &mut HeaderMap) {
     }
 }
 
-fn with_placement(mut response: Response, placement: &Placement) -> Response {
+pub(crate) fn with_placement(mut response: Response, placement: &Placement) -> Response {
     apply_placement(placement, response.headers_mut());
     response
 }
