@@ -78,10 +78,43 @@ fn worker_options(device: Device, args: WorkerArgs) -> WorkerOptions {
     options
 }
 
+/// Ollama's default port: where `OLLAMA_HOST` without a port points.
+pub const OLLAMA_PORT: u16 = 11434;
+
+/// `OLLAMA_HOST` as Ollama reads it: `[http://]host[:port]`, `:port`, or a bare host; the host
+/// (`None`: keep the configured one) and the port (11434 when none is given).
+fn ollama_host(value: &str) -> std::result::Result<(Option<String>, u16), String> {
+    let rest = value.trim().trim_start_matches("http://").trim_start_matches("https://").trim_end_matches('/');
+    let (host, port) = match rest.rsplit_once(':') {
+        // An IPv6 address without a port ("::1") has colons but no brackets.
+        Some((host, port)) if !host.contains(':') || host.ends_with(']') => {
+            (host, port.parse::<u16>().map_err(|_| format!("{port:?} is not a port"))?)
+        }
+        _ => (rest, OLLAMA_PORT),
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    Ok(((!host.is_empty()).then(|| host.to_string()), port))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use clap::Parser;
+
+    #[test]
+    fn ollama_host_reads_as_ollama_reads_it() {
+        let cases = [
+            ("127.0.0.1:11434", Some("127.0.0.1"), 11434),
+            ("0.0.0.0", Some("0.0.0.0"), OLLAMA_PORT),
+            (":8081", None, 8081),
+            ("http://localhost:9000/", Some("localhost"), 9000),
+            ("[::1]:7000", Some("::1"), 7000),
+        ];
+        for (value, host, port) in cases {
+            assert_eq!(ollama_host(value), Ok((host.map(str::to_string), port)), "{value}");
+        }
+        assert!(ollama_host("localhost:http").unwrap_err().contains("not a port"));
+    }
 
     #[derive(Parser)]
     struct Cli {
@@ -300,6 +333,17 @@ pub async fn run(
     let queues = QueueConfig::from_toml(&text).map_err(|e| in_file(&e))?;
     let mut memory = MemoryConfig::from_toml(&text).map_err(|e| in_file(&e))?;
     memory.apply_env()?;
+    // Ollama's `OLLAMA_HOST`, for setups written for Ollama: below HEADROOM_HOST/PORT and the
+    // flags, above the config file. Its port defaults to Ollama's 11434.
+    if args.host.is_none() && args.port.is_none() {
+        if let Some(value) = std::env::var("OLLAMA_HOST").ok().filter(|v| !v.trim().is_empty()) {
+            let (host, port) = ollama_host(&value).map_err(|e| anyhow::anyhow!("OLLAMA_HOST={value:?}: {e}; give host[:port] such as 127.0.0.1:11434, or unset it"))?;
+            if let Some(host) = host {
+                server.host = host;
+            }
+            server.port = port;
+        }
+    }
     if let Some(host) = args.host {
         server.host = host;
     }
