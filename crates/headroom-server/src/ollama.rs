@@ -64,7 +64,7 @@ pub(crate) type Result<T> = std::result::Result<T, OllamaError>;
 
 /// Ollama's sampling and length options that map onto Headroom's; others are ignored, as
 /// Ollama ignores options a model does not use.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default)]
 struct Options {
     num_ctx: Option<i64>,
     num_predict: Option<i64>,
@@ -76,6 +76,33 @@ struct Options {
     repeat_penalty: Option<f32>,
 }
 
+impl Options {
+    /// Reads `options`, each value checked on its own so an error names the option.
+    fn read(value: Option<&Value>) -> Result<Self> {
+        let map = match value {
+            None | Some(Value::Null) => return Ok(Self::default()),
+            Some(Value::Object(map)) => map,
+            Some(other) => return Err(ApiError::invalid("options", format!("options must be an object of Ollama's options, not {other}")).into()),
+        };
+        fn get<T: serde::de::DeserializeOwned>(map: &Map<String, Value>, key: &str) -> Result<Option<T>> {
+            match map.get(key) {
+                None | Some(Value::Null) => Ok(None),
+                Some(v) => serde_json::from_value(v.clone()).map(Some).map_err(|e| ApiError::invalid("options", format!("options.{key} = {v}: {e}")).into()),
+            }
+        }
+        Ok(Self {
+            num_ctx: get(map, "num_ctx")?,
+            num_predict: get(map, "num_predict")?,
+            temperature: get(map, "temperature")?,
+            top_k: get(map, "top_k")?,
+            top_p: get(map, "top_p")?,
+            seed: get(map, "seed")?,
+            stop: get(map, "stop")?,
+            repeat_penalty: get(map, "repeat_penalty")?,
+        })
+    }
+}
+
 #[derive(Debug, Deserialize)]
 struct ChatBody {
     model: String,
@@ -83,7 +110,7 @@ struct ChatBody {
     messages: Vec<Value>,
     stream: Option<bool>,
     format: Option<Value>,
-    options: Option<Options>,
+    options: Option<Value>,
     tools: Option<Value>,
     #[allow(dead_code)]
     keep_alive: Option<Value>,
@@ -99,7 +126,7 @@ struct GenerateBody {
     raw: bool,
     stream: Option<bool>,
     format: Option<Value>,
-    options: Option<Options>,
+    options: Option<Value>,
     images: Option<Vec<Value>>,
     #[allow(dead_code)]
     keep_alive: Option<Value>,
@@ -135,14 +162,23 @@ fn check_format(format: &Option<Value>) -> Result<()> {
 }
 
 /// The OpenAI parameters of Ollama's options, and the context they allow.
-fn translate_options(options: Option<Options>, limits: &Limits, stream: bool, into: &mut Map<String, Value>) -> Result<Limits> {
-    let o = options.unwrap_or_default();
+fn translate_options(options: Option<Value>, limits: &Limits, stream: bool, into: &mut Map<String, Value>) -> Result<Limits> {
+    let o = Options::read(options.as_ref())?;
     let mut limits = limits.clone();
     if let Some(n) = o.num_ctx {
         if n < 1 {
             return Err(ApiError::invalid("options", format!("options.num_ctx = {n}: give a positive number of tokens")).into());
         }
-        limits.context_tokens = limits.context_tokens.min(n as usize);
+        // Ollama cuts a prompt longer than num_ctx silently; a context beyond what is served
+        // is refused, and a smaller one is the limit the request is checked against.
+        if n as usize > limits.context_tokens {
+            return Err(ApiError::invalid(
+                "options",
+                format!("options.num_ctx = {n} is beyond the {} tokens of context served here; give at most {}, or leave it out", limits.context_tokens, limits.context_tokens),
+            )
+            .into());
+        }
+        limits.context_tokens = n as usize;
     }
     match o.num_predict {
         // -1 (until a stop) and -2 (fill the context): the server's default length, capped by
