@@ -315,13 +315,19 @@ fn plan_sizing(bundle: &ModelBundle, short_tokens: usize, long_tokens: usize, ma
 /// A sim GPU that holds the model only split: the smallest whole-MiB capacity at which the
 /// server's layer plan (same reserve and guaranteed context as `sizing`) puts at least half the
 /// layers, but not all, on it. Returns it and the layer count the plan chooses.
-fn split_sizing(bundle: &ModelBundle, sizing: &Sizing) -> Result<(Sizing, u32)> {
+/// The layer plan the split server makes (its reserve, its guaranteed context of one short
+/// request) for `usable` bytes of VRAM after the reserve.
+fn split_plan(bundle: &ModelBundle, sizing: &Sizing, usable: u64) -> Result<headroom_memory::SplitPlan> {
     let config = MemoryConfig { vram_reserve_mib: Some(sizing.reserve_mib), split_min_context_tokens: sizing.short_request_tokens, ..MemoryConfig::default() };
-    let layers = bundle.config.num_hidden_layers as u32;
     let chunk = GenerateRequest::new(vec![], 1, SamplingParams::default()).prefill_chunk as u64;
+    headroom_memory::plan_model_split(bundle, "sim", &config, usable, 1, chunk, Default::default()).map_err(anyhow::Error::msg)
+}
+
+fn split_sizing(bundle: &ModelBundle, sizing: &Sizing) -> Result<(Sizing, u32)> {
+    let layers = bundle.config.num_hidden_layers as u32;
     for mib in sizing.reserve_mib + 1..=sizing.sim_vram_mib {
         let usable = (mib - sizing.reserve_mib) * MIB;
-        let plan = headroom_memory::plan_model_split(bundle, "sim", &config, usable, 1, chunk, Default::default()).map_err(anyhow::Error::msg)?;
+        let plan = split_plan(bundle, sizing, usable)?;
         if plan.gpu_layers >= (layers / 2).max(1) && plan.gpu_layers < layers {
             let room = usable.saturating_sub(plan.gpu_weights_bytes) as f64 / MIB as f64;
             let weights = plan.gpu_weights_bytes as f64 / MIB as f64;
@@ -334,11 +340,8 @@ fn split_sizing(bundle: &ModelBundle, sizing: &Sizing) -> Result<(Sizing, u32)> 
 /// The competitor that makes the split server's next GPU worker launch plan fewer layers but
 /// not none: the smallest in whole MiB, with the layer count the plan then gives.
 fn shrink_competitor(bundle: &ModelBundle, split: &Sizing, gpu_layers: u32) -> Result<Option<(u64, u32)>> {
-    let config = MemoryConfig { vram_reserve_mib: Some(split.reserve_mib), split_min_context_tokens: split.short_request_tokens, ..MemoryConfig::default() };
-    let chunk = GenerateRequest::new(vec![], 1, SamplingParams::default()).prefill_chunk as u64;
     for mib in 1..split.sim_vram_mib.saturating_sub(split.reserve_mib) {
-        let usable = (split.sim_vram_mib - split.reserve_mib - mib) * MIB;
-        let plan = headroom_memory::plan_model_split(bundle, "sim", &config, usable, 1, chunk, Default::default()).map_err(anyhow::Error::msg)?;
+        let plan = split_plan(bundle, split, (split.sim_vram_mib - split.reserve_mib - mib) * MIB)?;
         if plan.gpu_layers < gpu_layers {
             return Ok((plan.gpu_layers > 0).then_some((mib, plan.gpu_layers)));
         }

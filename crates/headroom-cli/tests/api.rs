@@ -527,7 +527,7 @@ async fn bad_ollama_input_gets_an_ollama_error_that_says_what_to_fix() {
         (with(json!({"messages": [{"role": "wizard", "content": "hi"}]})), StatusCode::BAD_REQUEST, "wizard"),
         (with(json!({"messages": [{"role": "user", "content": "look", "images": ["aGk="]}]})), StatusCode::BAD_REQUEST, "text only"),
         (with(json!({"tools": [{"type": "function"}]})), StatusCode::BAD_REQUEST, "/v1/chat/completions"),
-        ("{not json".to_string(), StatusCode::BAD_REQUEST, "not a valid request"),
+        ("{not json".to_string(), StatusCode::BAD_REQUEST, "invalid request body"),
     ] {
         let r = api.call("POST", "/api/chat", &[], Some(body.clone())).await;
         assert_eq!(r.status, status, "{body}: {}", r.text);

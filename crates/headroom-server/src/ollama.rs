@@ -23,7 +23,7 @@ use serde_json::{json, Map, Value};
 
 use crate::error::ApiError;
 use crate::openai::{self, ChatCompletionRequest, CompletionRequest, HeadroomInfo, Limits, Prepared};
-use crate::routes::{submission, with_placement};
+use crate::routes::{parse_body, submission, with_placement};
 use crate::AppState;
 
 type Shared = State<Arc<AppState>>;
@@ -130,12 +130,6 @@ struct GenerateBody {
     images: Option<Vec<Value>>,
     #[allow(dead_code)]
     keep_alive: Option<Value>,
-}
-
-fn parse<T: serde::de::DeserializeOwned>(body: std::result::Result<Bytes, BytesRejection>) -> Result<(T, Bytes)> {
-    let bytes = body.map_err(|e| ApiError::invalid(None, format!("cannot read the request body: {e}")))?;
-    let value = serde_json::from_slice(&bytes).map_err(|e| ApiError::invalid(None, format!("the body is not a valid request: {e}")))?;
-    Ok((value, bytes))
 }
 
 /// The served model under Ollama's names: its id, `id:tag` (any tag: one model is served),
@@ -332,7 +326,7 @@ struct ShowBody {
     request_body(content = Object, description = "`{\"model\": \"name[:tag]\"}`"),
     responses((status = 200, description = "The details"), (status = 400, description = "Invalid request: `{\"error\": ...}`"), (status = 404, description = "Not the served model: `{\"error\": ...}`")))]
 pub(crate) async fn show(State(state): Shared, body: std::result::Result<Bytes, BytesRejection>) -> Result<Json<Value>> {
-    let (request, _): (ShowBody, Bytes) = parse(body)?;
+    let (request, _): (ShowBody, Bytes) = parse_body(body)?;
     check_model(&state, &request.model)?;
     let config = &state.bundle.config;
     let arch = config.model_type.clone();
@@ -360,7 +354,7 @@ pub(crate) async fn show(State(state): Shared, body: std::result::Result<Bytes, 
     responses((status = 200, description = "The answer, or `application/x-ndjson` objects ending in `done: true`"), (status = 400, description = "Invalid request: `{\"error\": ...}`"), (status = 404, description = "Not the served model"), (status = 409, description = "Idempotency-Key reused with another body"), (status = 503, description = "No capacity now: see Retry-After")))]
 pub(crate) async fn chat(State(state): Shared, headers: HeaderMap, body: std::result::Result<Bytes, BytesRejection>) -> Result<Response> {
     let started = Instant::now();
-    let (request, raw): (ChatBody, Bytes) = parse(body)?;
+    let (request, raw): (ChatBody, Bytes) = parse_body(body)?;
     check_model(&state, &request.model)?;
     check_format(&request.format)?;
     // Ollama's clients send `tools: []` when there are none.
@@ -389,7 +383,7 @@ pub(crate) async fn chat(State(state): Shared, headers: HeaderMap, body: std::re
     responses((status = 200, description = "The answer, or `application/x-ndjson` objects ending in `done: true`"), (status = 400, description = "Invalid request: `{\"error\": ...}`"), (status = 404, description = "Not the served model"), (status = 409, description = "Idempotency-Key reused with another body"), (status = 503, description = "No capacity now: see Retry-After")))]
 pub(crate) async fn generate(State(state): Shared, headers: HeaderMap, body: std::result::Result<Bytes, BytesRejection>) -> Result<Response> {
     let started = Instant::now();
-    let (request, raw): (GenerateBody, Bytes) = parse(body)?;
+    let (request, raw): (GenerateBody, Bytes) = parse_body(body)?;
     check_model(&state, &request.model)?;
     check_format(&request.format)?;
     if request.images.as_ref().is_some_and(|i| !i.is_empty()) {

@@ -100,7 +100,7 @@ async fn no_ui() -> Html<&'static str> {
     )
 }
 
-fn parse_body<T: serde::de::DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<(T, Bytes), ApiError> {
+pub(crate) fn parse_body<T: serde::de::DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<(T, Bytes), ApiError> {
     let bytes = body.map_err(|e| {
         let mut err = ApiError::invalid(None, format!("cannot read the request body: {e}"));
         err.status = e.status();

@@ -248,31 +248,21 @@ struct LayerPlacement {
 }
 
 impl LayerPlacement {
-    /// The VRAM the GPU worker's device offers now (no Headroom worker holds any yet): the
-    /// driver's reading on CUDA (`None` without NVML: every layer loads and admission finds out),
-    /// the whole of the sim GPU.
-    fn room_at_start(&self, sim_vram_mib: u64) -> Option<headroom_router::VramRoom> {
-        match self.device {
-            Device::Cuda(index) => headroom_memory::observe::gpu_memory(index).map(|r| headroom_router::VramRoom { total_bytes: r.total_bytes, free_bytes: r.free_bytes }),
-            _ => Some(headroom_router::VramRoom { total_bytes: sim_vram_mib * headroom_memory::MIB, free_bytes: sim_vram_mib * headroom_memory::MIB }),
-        }
-    }
-
     fn plan(&self, room: headroom_router::VramRoom) -> Result<headroom_memory::SplitPlan, String> {
         let label = self.device.label();
         let usable = room.free_bytes.min(room.total_bytes).saturating_sub(self.memory.vram_reserve_bytes(room.total_bytes));
         let chunk = headroom_model::generate::default_prefill_chunk() as u64;
         let plan = |memory: &MemoryConfig, bandwidths| headroom_memory::plan_model_split(&self.bundle, &label, memory, usable, 1, chunk, bandwidths);
         let fix = |e: String| format!("{e}. Set `gpu_layers` in [memory] (or HEADROOM_GPU_LAYERS) to a count that fits, or to \"auto\".");
-        let memory = match plan(&self.memory, Default::default()) {
+        let mut memory = self.memory.clone();
+        let placement = match plan(&memory, Default::default()) {
             Err(e) if self.from_settings => {
                 eprintln!("headroom: the gpu_layers setting does not fit now ({}); placing as many layers as fit", fix(e));
-                MemoryConfig { gpu_layers: headroom_memory::GpuLayers::Auto, ..self.memory.clone() }
+                memory.gpu_layers = headroom_memory::GpuLayers::Auto;
+                plan(&memory, Default::default()).map_err(fix)?
             }
-            Err(e) => return Err(fix(e)),
-            Ok(_) => self.memory.clone(),
+            placed => placed.map_err(fix)?,
         };
-        let placement = plan(&memory, Default::default()).map_err(fix)?;
         if placement.gpu_layers == 0 || placement.head_on_gpu {
             return Ok(placement);
         }
@@ -380,7 +370,7 @@ pub async fn run(
 
     let model_dir = resolve_model(&args.model);
     let bundle = ModelBundle::open(&model_dir).with_context(|| format!("cannot open the model folder {}", model_dir.display()))?;
-    let mut gpu = gpu_worker(args.gpu, args.sim_vram_mib, settings.gpu_device)?;
+    let gpu = gpu_worker(args.gpu, args.sim_vram_mib, settings.gpu_device)?;
     let layer_placement = gpu.as_ref().map(|gpu| {
         Arc::new(LayerPlacement {
             bundle: bundle.clone(),
@@ -390,16 +380,14 @@ pub async fn run(
             bandwidths: Default::default(),
         })
     });
-    let placement = match (&layer_placement, gpu.as_mut()) {
-        (Some(placer), Some(gpu)) => match placer.room_at_start(gpu.sim_vram_mib) {
-            Some(room) => {
-                let plan = placer.plan(room).map_err(anyhow::Error::msg)?;
-                gpu.gpu_layers = (!plan.head_on_gpu && plan.gpu_layers > 0).then_some(plan.gpu_layers);
-                eprintln!("headroom: {}", plan.reason);
-                Some(plan)
-            }
-            None => None,
-        },
+    // The GPU worker launches with the layers of this plan (the supervisor's `placement`); no
+    // Headroom worker holds VRAM yet. Without a reading (no NVML) every layer loads.
+    let placement = match (&layer_placement, gpu.as_ref().and_then(|gpu| headroom_router::VramRoom::of(gpu, 0))) {
+        (Some(placer), Some(room)) => {
+            let plan = placer.plan(room).map_err(anyhow::Error::msg)?;
+            eprintln!("headroom: {}", plan.reason);
+            Some(plan)
+        }
         _ => None,
     };
     let gpu = gpu.filter(|_| placement.as_ref().is_none_or(|p| p.gpu_layers > 0));

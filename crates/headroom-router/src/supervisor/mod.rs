@@ -111,6 +111,21 @@ pub struct VramRoom {
     pub free_bytes: u64,
 }
 
+impl VramRoom {
+    /// The room of the GPU worker `options` describes: the driver's reading on CUDA (`None`
+    /// without NVML); on the sim GPU its size less `sim_competing_bytes`.
+    pub fn of(options: &WorkerOptions, sim_competing_bytes: u64) -> Option<VramRoom> {
+        match options.device {
+            Device::Cuda(index) => headroom_memory::observe::gpu_memory(index).map(|r| VramRoom { total_bytes: r.total_bytes, free_bytes: r.free_bytes }),
+            Device::Sim => {
+                let total = options.sim_vram_mib * headroom_memory::MIB;
+                Some(VramRoom { total_bytes: total, free_bytes: total.saturating_sub(sim_competing_bytes) })
+            }
+            Device::Cpu => None,
+        }
+    }
+}
+
 /// Plans the GPU worker's layers for the VRAM free now: `Err` says why no plan could be made
 /// (a fixed `gpu_layers` that does not fit).
 #[derive(Clone)]
@@ -426,19 +441,11 @@ impl Supervisor {
     /// The VRAM the GPU worker about to launch can have: the driver's reading on CUDA; on the
     /// sim GPU its size less the competing workload the launch re-applies.
     fn vram_room(&self) -> Option<VramRoom> {
-        let options = self.inner.config.gpu.as_ref()?;
-        match options.device {
-            Device::Cuda(index) => headroom_memory::observe::gpu_memory(index).map(|r| VramRoom { total_bytes: r.total_bytes, free_bytes: r.free_bytes }),
-            Device::Sim => {
-                let total = options.sim_vram_mib * headroom_memory::MIB;
-                let competing: u64 = self.inner.sim_environment.lock().unwrap().iter().map(|f| match f {
-                    Fault::Compete { mib } => mib * headroom_memory::MIB,
-                    _ => 0,
-                }).sum();
-                Some(VramRoom { total_bytes: total, free_bytes: total.saturating_sub(competing) })
-            }
-            Device::Cpu => None,
-        }
+        let competing: u64 = self.inner.sim_environment.lock().unwrap().iter().map(|f| match f {
+            Fault::Compete { mib } => mib * headroom_memory::MIB,
+            _ => 0,
+        }).sum();
+        VramRoom::of(self.inner.config.gpu.as_ref()?, competing)
     }
 
     /// Places the layers again for the GPU worker's next launch (see [`SupervisorConfig::replan`]).
