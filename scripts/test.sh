@@ -4,6 +4,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 step() { printf '\n=== %s ===\n' "$*"; }
 
+# CI builds once from cold: incremental compilation would only add time and gigabytes of disk.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
+
 step "install"
 HEADROOM_SKIP_BUILD=1 ./scripts/install.sh
 # The end-to-end suites drive a real server with the official openai package and schemathesis.
@@ -40,6 +43,9 @@ cargo test --workspace --exclude headroom-bench
 # them); the suites below use them.
 step "python: the official openai and ollama packages against headroom serve (chat, stream, stop, seed, idempotency, cancel, capacity, degraded, kill -9; Ollama chat, generate, list, show, ps, errors, a stream failing over mid-answer)"
 .venv/bin/python -m pytest -q tests/python
+
+step "ollama npm client: the official ollama package against headroom serve (streamed chat, list, a 404, streams losing the GPU worker at full load; negative control: streams that end at a failover)"
+npm --prefix ui run ollama-client
 
 step "reference: GGUF against the gguf package and llama.cpp (dequantization of every type, token ids, teacher-forced top-1 agreement, perplexity; negative controls)"
 .venv/bin/python -m pytest -q -s tests/reference
