@@ -103,7 +103,8 @@ pub fn install(app: &AppHandle, shell: Shell) {
 /// where a healthy GPU's model runs.
 fn show_state(tray: &Tray, degraded: bool, paused: bool, reason: &str, layers: &str) {
     let (rgb, tip) = match (degraded, paused) {
-        (true, _) => (DEGRADED, format!("Headroom: degraded, {reason}")),
+        (true, _) if reason.is_empty() => (DEGRADED, "Headroom: degraded; serving from the CPU".to_string()),
+        (true, _) => (DEGRADED, format!("Headroom: {reason}")),
         (false, true) => (PAUSED, "Headroom: GPU paused; serving from the CPU".to_string()),
         (false, false) if layers.is_empty() => (HEALTHY, "Headroom: GPU healthy".to_string()),
         (false, false) => (HEALTHY, format!("Headroom: GPU healthy; {layers}")),
@@ -131,6 +132,8 @@ async fn follow_degraded(app: &AppHandle, tray: Option<&Tray>, shell: &Shell) ->
     let mut body = response.into_body().into_data_stream();
     let mut buffer = Vec::new();
     let mut degraded = false;
+    // What the person is told about the degradation (kept for the tooltip's later redraws).
+    let mut words = String::new();
     let mut paused = false;
     let mut layers = String::new();
     while let Some(chunk) = body.next().await {
@@ -144,7 +147,7 @@ async fn follow_degraded(app: &AppHandle, tray: Option<&Tray>, shell: &Shell) ->
                 Some("placement_changed") => {
                     layers = layers_note(&event);
                     if let Some(tray) = tray {
-                        show_state(tray, degraded, paused, "", &layers);
+                        show_state(tray, degraded, paused, &words, &layers);
                     }
                     None
                 }
@@ -153,7 +156,7 @@ async fn follow_degraded(app: &AppHandle, tray: Option<&Tray>, shell: &Shell) ->
                     layers = layers_note(&event["placement"]);
                     if let Some(tray) = tray {
                         let _ = tray.pause_gpu.set_enabled(has_gpu);
-                        show_state(tray, degraded, paused, "", &layers);
+                        show_state(tray, degraded, paused, &words, &layers);
                     }
                     event["gpu_paused"].as_bool()
                 }
@@ -162,25 +165,19 @@ async fn follow_degraded(app: &AppHandle, tray: Option<&Tray>, shell: &Shell) ->
             if let Some(now) = paused_now.filter(|p| *p != paused) {
                 paused = now;
                 if let Some(tray) = tray {
-                    show_state(tray, degraded, paused, "", &layers);
+                    show_state(tray, degraded, paused, &words, &layers);
                 }
             }
             // The first event is the status body (no `event` field), saying where the service
             // stands; `degraded` events say when that changes.
-            let (now, reason) = match event["event"].as_str() {
-                Some("degraded") => (event["degraded"].as_bool().unwrap_or(false), event["reason"].as_str().unwrap_or("")),
-                None if event.get("degraded").is_some() => {
-                    (event["degraded"].as_bool().unwrap_or(false), event["degraded_reason"].as_str().unwrap_or(""))
-                }
-                _ => continue,
-            };
-            let reason = reason.to_string();
+            let Some((now, reason)) = degraded_words(&event) else { continue };
             if now == degraded {
                 continue;
             }
             degraded = now;
+            words = if degraded { reason.clone() } else { String::new() };
             if let Some(tray) = tray {
-                show_state(tray, degraded, paused, &reason, &layers);
+                show_state(tray, degraded, paused, &words, &layers);
             }
             let title = if degraded { "Headroom: serving from the CPU" } else { "Headroom: GPU restored" };
             let shown = catch_unwind(AssertUnwindSafe(|| app.notification().builder().title(title).body(&reason).show()));
@@ -194,6 +191,18 @@ async fn follow_degraded(app: &AppHandle, tray: Option<&Tray>, shell: &Shell) ->
     Ok(())
 }
 
+/// Whether a status body or `degraded` event says the service is degraded, and the words a
+/// person reads about it: the plain summary where the server gave one, else its reason.
+fn degraded_words(event: &serde_json::Value) -> Option<(bool, String)> {
+    let (summary, reason) = match event["event"].as_str() {
+        Some("degraded") => ("summary", "reason"),
+        None if event.get("degraded").is_some() => ("degraded_summary", "degraded_reason"),
+        _ => return None,
+    };
+    let words = event[summary].as_str().or_else(|| event[reason].as_str()).unwrap_or("");
+    Some((event["degraded"].as_bool().unwrap_or(false), words.to_string()))
+}
+
 #[cfg(test)]
 mod tests {
     use serde_json::json;
@@ -205,5 +214,16 @@ mod tests {
         assert_eq!(super::layers_note(&json!({"gpu_layers": 22, "layers": 32})), "split: 22 of 32 layers on the GPU");
         assert_eq!(super::layers_note(&json!({"gpu_layers": 32, "layers": 32})), "");
         assert_eq!(super::layers_note(&serde_json::Value::Null), "");
+    }
+
+    #[test]
+    fn the_notice_reads_the_plain_summary_first() {
+        let event = json!({"event": "degraded", "degraded": true, "reason": "GPU unavailable: 3 allocation failures", "summary": "The GPU is out of memory; kjv-demo on the CPU is answering."});
+        assert_eq!(super::degraded_words(&event), Some((true, "The GPU is out of memory; kjv-demo on the CPU is answering.".into())));
+        let restored = json!({"event": "degraded", "degraded": false, "reason": "GPU restored: probe succeeded"});
+        assert_eq!(super::degraded_words(&restored), Some((false, "GPU restored: probe succeeded".into())));
+        let status = json!({"degraded": true, "degraded_reason": "r", "degraded_summary": "s"});
+        assert_eq!(super::degraded_words(&status), Some((true, "s".into())));
+        assert_eq!(super::degraded_words(&json!({"event": "failover"})), None);
     }
 }

@@ -23,6 +23,8 @@ export interface Transport {
   settings(): Promise<SettingsReply>;
   /** Changes settings (a JSON merge patch); rejects with the server's message. */
   updateSettings(patch: Json): Promise<SettingsReply>;
+  /** Where other programs reach this service's HTTP API (`http://host:port`). */
+  apiAddress(): Promise<string>;
 }
 
 /** What the server says about settings: all of them, and what a change did. */
@@ -127,6 +129,10 @@ export class HttpTransport implements Transport {
     return this.json(await fetch(`${this.base}/v1/settings`, { method: "PATCH", headers: { "content-type": "application/json" }, body: JSON.stringify(patch) }));
   }
 
+  async apiAddress(): Promise<string> {
+    return this.base || window.location.origin;
+  }
+
   /** A JSON body, or the error body's message as the rejection. */
   private async json(r: Response): Promise<any> {
     const body = await r.json().catch(() => ({}));
@@ -220,6 +226,12 @@ export class TauriTransport implements Transport {
     const r = await commands.updateSettings(JSON.stringify(patch));
     if (r.status === "error") throw new Error(r.error);
     return JSON.parse(r.data);
+  }
+
+  async apiAddress(): Promise<string> {
+    const r = await commands.apiAddress();
+    if (r.status === "error") throw new Error(r.error);
+    return r.data;
   }
 }
 

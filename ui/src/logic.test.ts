@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { applyChunk, emptyReply, formatDelay, MemoryHistory, modelLine, placementLine, settingsForm, settingsPatch, splitSse, statusView } from "./logic";
+import { apiEndpoints, applyChunk, emptyReply, formatDelay, MemoryHistory, modelLine, placementLine, settingsForm, settingsPatch, splitSse, statusView } from "./logic";
 
 const gpuWorker = { kind: "gpu", device: "sim", state: "ready", simulated: true };
 const cpuWorker = { kind: "cpu", device: "cpu", state: "ready", simulated: false };
@@ -10,6 +10,10 @@ describe("status bar", () => {
     const degraded = statusView({ degraded: true, degraded_reason: "breaker open after 3 OOMs", workers: [gpuWorker, cpuWorker], estimated_delay_ms: 1200 });
     expect(degraded.health).toBe("degraded");
     expect(degraded.reason).toBe("breaker open after 3 OOMs");
+    expect(degraded.summary).toMatch(/answered on the CPU/);
+    const plain = statusView({ degraded: true, degraded_reason: "GPU unavailable: 3 allocation failures", degraded_summary: "The GPU is out of memory; kjv-demo on the CPU is answering.", workers: [gpuWorker, cpuWorker] });
+    expect(plain.summary).toBe("The GPU is out of memory; kjv-demo on the CPU is answering.");
+    expect(plain.reason).toBe("GPU unavailable: 3 allocation failures");
     expect(degraded.estimatedDelayMs).toBe(1200);
     expect(statusView({ degraded: true, workers: [{ ...gpuWorker, state: "down" }, cpuWorker] }).health).toBe("unavailable");
     expect(statusView({ degraded: false, workers: [cpuWorker] }).health).toBe("cpu-only");
@@ -105,6 +109,18 @@ describe("chat stream", () => {
     expect(r.notice).toBe("sent to the CPU: needs 7.5 MiB");
   });
 
+  it("puts the plain summary first and keeps the figures behind it", () => {
+    const summary = "The GPU is out of memory; kjv-demo on the CPU is answering, about 4× slower, up to 2k tokens.";
+    let r = applyChunk(emptyReply(), { choices: [], headroom: { request_id: "x", device: "cpu", degraded: true, degraded_reason: "sent to the CPU: needs 7.5 MiB", degraded_summary: summary } });
+    expect(r.notice).toBe(summary);
+    expect(r.detail).toBe("sent to the CPU: needs 7.5 MiB");
+    // A failover mid-stream: the final chunk's summary replaces the notice, which moves behind it.
+    r = applyChunk(emptyReply(), { choices: [{ delta: { content: "In" } }], headroom: { notice: "failover", from: "sim", to: "cpu", degraded: true, message: "the sim worker failed; continuing on cpu after 1 tokens" } });
+    r = applyChunk(r, { choices: [{ delta: {}, finish_reason: "stop" }], headroom: { device: "cpu", degraded: true, degraded_reason: "sim failed: out of memory", degraded_summary: summary, failovers: [{ from: "sim", to: "cpu", reason: "sim failed: out of memory" }] } });
+    expect(r.notice).toBe(summary);
+    expect(r.detail).toBe("the sim worker failed; continuing on cpu after 1 tokens; sim failed: out of memory");
+  });
+
   it("ends on an error chunk", () => {
     const r = applyChunk(emptyReply(), { error: { message: "worker failed" } });
     expect(r.error).toBe("worker failed");
@@ -159,5 +175,13 @@ describe("modelLine", () => {
     expect(statusView({ ...status, workers: [] }).model).toBe(modelLine(status));
     expect(modelLine({ model: "kjv-demo" })).toBe("kjv-demo");
     expect(modelLine({})).toBeNull();
+  });
+});
+
+describe("API endpoints", () => {
+  it("gives OpenAI clients the /v1 base URL and Ollama clients the bare host", () => {
+    const [openai, ollama] = apiEndpoints("http://127.0.0.1:11434/");
+    expect(openai).toMatchObject({ api: "OpenAI", url: "http://127.0.0.1:11434/v1" });
+    expect(ollama).toMatchObject({ api: "Ollama", url: "http://127.0.0.1:11434" });
   });
 });

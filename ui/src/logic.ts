@@ -17,6 +17,8 @@ export interface StatusView {
   model: string | null;
   /** Where the model's layers live (see [`placementLine`]). */
   placement: string | null;
+  /** While degraded: what it means for the person, in one sentence; `reason` holds the detail. */
+  summary: string | null;
 }
 
 function formatCount(n: number): string {
@@ -54,7 +56,7 @@ export function statusView(status: Json): StatusView {
   const workers: Json[] = status.workers ?? [];
   const gpu = workers.find((w) => w.kind === "gpu");
   const delay = typeof status.estimated_delay_ms === "number" ? status.estimated_delay_ms : null;
-  const base = { simulated: !!gpu?.simulated, gpuDevice: gpu?.device ?? null, estimatedDelayMs: delay, model: modelLine(status), placement: placementLine(status) };
+  const base = { simulated: !!gpu?.simulated, gpuDevice: gpu?.device ?? null, estimatedDelayMs: delay, model: modelLine(status), placement: placementLine(status), summary: null };
   if (!gpu) {
     return { ...base, health: "cpu-only", label: "CPU only", reason: "no GPU worker is configured" };
   }
@@ -66,6 +68,7 @@ export function statusView(status: Json): StatusView {
       health: down ? "unavailable" : "degraded",
       label: down ? `GPU unavailable${sim}` : `GPU degraded${sim}`,
       reason: status.degraded_reason ?? "GPU requests are served by the CPU worker",
+      summary: status.degraded_summary ?? "Requests meant for the GPU are answered on the CPU, more slowly.",
     };
   }
   if (status.gpu_paused) {
@@ -143,8 +146,10 @@ export interface Reply {
   text: string;
   device: string | null;
   degraded: boolean;
-  /** Why the reply was served or resumed on the CPU, when it was. */
+  /** Why the reply was served or resumed on the CPU, when it was, in plain words. */
   notice: string | null;
+  /** The technical reason behind the notice (the failure, admission's figures), shown on demand. */
+  detail: string | null;
   failovers: number;
   queuedMs: number | null;
   done: boolean;
@@ -154,7 +159,7 @@ export interface Reply {
 }
 
 export function emptyReply(): Reply {
-  return { requestId: null, text: "", device: null, degraded: false, notice: null, failovers: 0, queuedMs: null, done: false, cancelled: false, error: null, finishReason: null };
+  return { requestId: null, text: "", device: null, degraded: false, notice: null, detail: null, failovers: 0, queuedMs: null, done: false, cancelled: false, error: null, finishReason: null };
 }
 
 /** Folds one OpenAI chat chunk (with Headroom's `headroom` extension) into the reply. */
@@ -177,14 +182,21 @@ export function applyChunk(reply: Reply, chunk: Json): Reply {
       if (h.notice === "restart") next.text = "";
     } else if (h.notice === "waiting") {
       next.notice = h.message ?? `waiting for the ${h.queue} worker`;
-    } else if (h.degraded && h.degraded_reason && !next.notice) {
-      next.notice = h.degraded_reason;
+    } else if (h.degraded && (h.degraded_summary || h.degraded_reason) && !next.notice) {
+      next.notice = h.degraded_summary ?? h.degraded_reason;
+      next.detail = h.degraded_reason ?? null;
+    }
+    // The final chunk's plain summary replaces a mid-stream notice; what that said stays behind it.
+    if (h.degraded && h.degraded_summary && next.notice !== h.degraded_summary && Array.isArray(h.failovers)) {
+      next.detail = [next.notice, h.degraded_reason].filter((x) => x && x !== h.degraded_summary).join("; ") || null;
+      next.notice = h.degraded_summary;
     }
     if (Array.isArray(h.failovers)) {
       next.failovers = h.failovers.length;
       if (h.failovers.length > 0 && !next.notice) {
         const f = h.failovers[h.failovers.length - 1];
-        next.notice = `moved from ${f.from} to ${f.to}: ${f.reason}`;
+        next.notice = `moved from ${f.from} to ${f.to}`;
+        next.detail = f.reason;
       }
     }
     if (typeof h.queued_ms === "number") next.queuedMs = h.queued_ms;
@@ -304,4 +316,20 @@ export function formatDelay(ms: number | null | undefined): string | null {
   if (ms < 1000) return `about ${Math.round(ms)} ms`;
   if (ms < 90_000) return `about ${Math.round(ms / 1000)} s`;
   return `about ${Math.round(ms / 60_000)} min`;
+}
+
+/** One API the service speaks, as a client program is configured to reach it. */
+export interface Endpoint {
+  api: string;
+  url: string;
+  hint: string;
+}
+
+/** The address each API's clients take, from where the service listens (`http://host:port`). */
+export function apiEndpoints(address: string): Endpoint[] {
+  const base = address.replace(/\/+$/, "");
+  return [
+    { api: "OpenAI", url: `${base}/v1`, hint: "base URL for OpenAI clients (openai packages, LangChain, Continue)" },
+    { api: "Ollama", url: base, hint: "host for Ollama clients (OLLAMA_HOST, Open WebUI, the ollama packages)" },
+  ];
 }

@@ -118,10 +118,13 @@ try {
     assert.ok(reply.text.trim().length > 0, "the reply has text");
   });
 
-  await check("settings change over IPC: pausing the GPU sends replies to the CPU; resuming brings them back", async () => {
+  await check("Settings show the app's API endpoints; settings change over IPC: pausing the GPU sends replies to the CPU; resuming brings them back", async () => {
     const click = async (css) => call("POST", s(`/element/${(await elements(css))[0]}/click`), {});
     await click("[data-testid=tab-settings]");
     await waitFor("the settings form", async () => (await elements("[data-testid=setting-gpu-paused]")).length > 0);
+    // The app's API address, over IPC: what other programs on this machine are told to use.
+    await waitFor("the API endpoints", async () => (await text("[data-testid=endpoint-ollama]")) === api);
+    assert.equal(await text("[data-testid=endpoint-openai]"), `${api}/v1`);
     await click("[data-testid=setting-gpu-paused]");
     await click("[data-testid=settings-save]");
     await waitFor("GPU paused", async () => /GPU paused/.test((await text("[data-testid=gpu-health]")) ?? ""), 10_000);

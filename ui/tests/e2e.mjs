@@ -4,45 +4,18 @@
 // the CPU, and a queued request cancelled from the UI; then injected OOMs open the breaker: the
 // degraded banner, the CPU badge with its reason, and a stop. Screenshots at 1024×700 and
 // 1440×900 go to docs/screenshots/.
-import { spawn } from "node:child_process";
-import { mkdtempSync, mkdirSync, writeFileSync, rmSync } from "node:fs";
-import { tmpdir } from "node:os";
-import { join, resolve } from "node:path";
-import { createInterface } from "node:readline";
+import { mkdirSync, rmSync } from "node:fs";
+import { join } from "node:path";
 import assert from "node:assert/strict";
 import { check, finish } from "./checks.mjs";
 import { chromium } from "playwright-core";
+import { root, startServer } from "./server.mjs";
 
-const root = resolve(import.meta.dirname, "../..");
-const headroom = process.env.HEADROOM_BIN ?? join(root, "target/debug/headroom");
 const shots = join(root, "docs/screenshots");
 mkdirSync(shots, { recursive: true });
 
-async function startServer() {
-  const dir = mkdtempSync(join(tmpdir(), "headroom-e2e-"));
-  // A long breaker cool-down keeps degraded mode on screen long enough to look at.
-  writeFileSync(join(dir, "headroom.toml"), "[supervision.breaker]\ncooldown_ms = 60000\n");
-  const child = spawn(headroom, ["serve", "--gpu", "sim", "--port", "0", "--model", "kjv-demo", "--config", join(dir, "headroom.toml"), "--data-dir", join(dir, "data")], {
-    env: { ...process.env, HEADROOM_UI_DIR: join(root, "ui/dist") },
-    stdio: ["ignore", "pipe", "inherit"],
-  });
-  const lines = createInterface({ input: child.stdout });
-  const url = await new Promise((ok, fail) => {
-    const timer = setTimeout(() => fail(new Error("headroom serve did not start in 120 s")), 120_000);
-    lines.on("line", (line) => {
-      const m = line.match(/ at (http:\/\/[^\s]+)/);
-      if (m) {
-        clearTimeout(timer);
-        ok(m[1]);
-      }
-    });
-    child.on("exit", (code) => fail(new Error(`headroom serve exited (${code})`)));
-  });
-  return { url, child, dir };
-}
-
-
-const server = await startServer();
+// A long breaker cool-down keeps degraded mode on screen long enough to look at.
+const server = await startServer({ config: "[supervision.breaker]\ncooldown_ms = 60000\n" });
 const browser = await chromium.launch({
   executablePath: process.env.CHROMIUM ?? "/usr/bin/chromium",
   args: ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync"],
@@ -73,8 +46,10 @@ try {
     assert.ok((await reply.locator(".text").innerText()).trim().length > 0, "the reply has text");
   });
 
-  await check("a new VRAM reserve is applied to admission and kept across a reload", async () => {
+  await check("Settings show each API's endpoint; a new VRAM reserve is applied to admission and kept across a reload", async () => {
     await page.getByTestId("tab-settings").click();
+    await page.getByTestId("endpoint-openai").filter({ hasText: `${server.url}/v1` }).waitFor({ timeout: 10_000 });
+    assert.equal(await page.getByTestId("endpoint-ollama").innerText(), server.url);
     await page.getByTestId("setting-vram-reserve").fill("1500");
     await page.getByTestId("settings-save").click();
     await page.getByTestId("settings-result").filter({ hasText: "Applied: vram_reserve_mib" }).waitFor({ timeout: 10_000 });
@@ -161,10 +136,30 @@ try {
     assert.match(await page.getByTestId("gpu-health").innerText(), /GPU (degraded|unavailable)/);
   });
 
-  await check("while degraded a new reply goes to the CPU and says so", async () => {
+  // What happened, who answers and its limits, in one sentence; the figures one click deeper.
+  const plain = /^The GPU is out of memory; kjv-demo on the CPU is answering(, about \d+× slower)?, up to [\d,k]+ tokens\.$/;
+  await check("the banner says in plain words what happened, and the breaker's reason is behind Details", async () => {
+    assert.match(await page.getByTestId("degraded-summary").innerText(), plain);
+    const details = page.getByTestId("degraded-details");
+    assert.equal(await details.locator("p").isVisible(), false, "the reason waits behind the toggle");
+    await details.locator("summary").click();
+    assert.match(await details.locator("p").innerText(), /allocation failures/);
+    await details.locator("summary").click();
+  });
+
+  await check("while degraded a new reply goes to the CPU and says so plainly, with the reason and request id behind Details", async () => {
     const reply = await chat(page, "Blessed are the meek");
     assert.equal(await reply.getByTestId("device-badge").innerText(), "CPU");
-    assert.match(await reply.getByTestId("reply-notice").innerText(), /CPU|GPU/);
+    assert.match(await reply.getByTestId("reply-notice").innerText(), plain);
+    const details = reply.getByTestId("reply-details");
+    await page.screenshot({ path: join(shots, "degraded-reply-details-closed-1440x900.png") });
+    await details.locator("summary").click();
+    assert.match(await details.innerText(), /GPU unavailable: .*allocation failures/);
+    assert.match(await details.innerText(), /request req_/);
+    await page.screenshot({ path: join(shots, "degraded-reply-details-open-1440x900.png") });
+    await page.setViewportSize({ width: 1024, height: 700 });
+    await page.screenshot({ path: join(shots, "degraded-reply-details-open-1024x700.png") });
+    await page.setViewportSize({ width: 1440, height: 900 });
   });
 
   await check("the memory panel draws the chart and marks the failovers", async () => {

@@ -267,12 +267,24 @@ async fn a_sim_oom_is_served_by_the_cpu_and_every_surface_says_degraded() {
     assert_eq!(body["headroom"]["failovers"][0]["from"], "sim");
     assert_eq!(body["choices"], healthy.json()["choices"], "the replay says what the GPU would have");
     let status = api.call("GET", "/v1/status", &[], None).await.json();
+    // People read one plain sentence: what happened, which model on the CPU answers, up to how
+    // many tokens; the failure's own words stay in the reason.
+    let summary = body["headroom"]["degraded_summary"].as_str().unwrap_or_default();
+    let cpu_model = status["workers"][1]["model"].as_str().unwrap();
+    assert!(summary.starts_with(&format!("The GPU is out of memory; {cpu_model} on the CPU is answering")) && summary.ends_with(" tokens."), "plain summary: {summary:?}");
+    assert!(body["headroom"]["degraded_reason"].as_str().is_some_and(|r| r.contains("out-of-memory") || r.contains("out of memory")), "{body}");
     assert_eq!(status["workers"][0]["kind"], "gpu");
     assert_eq!(status["workers"][0]["simulated"], true);
     assert!(status["breaker"].is_string());
     let metrics = api.call("GET", "/metrics", &[], None).await.text;
     assert!(metrics.contains(r#"headroom_failovers_total{from="sim",to="cpu"} 1"#), "{metrics}");
     api.stop().await;
+}
+
+/// Its negative control: a "summary" that is only the engineering reason fails the check.
+#[test]
+fn the_plain_summary_check_fails_when_it_is_the_reason() {
+    headroom_model::assert_control_fails("a_sim_oom_is_served_by_the_cpu_and_every_surface_says_degraded", "summary-is-reason", "plain summary");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

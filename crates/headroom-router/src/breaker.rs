@@ -59,6 +59,8 @@ pub struct Breaker {
     failures: VecDeque<Instant>,
     opened_at: Option<Instant>,
     reason: String,
+    /// The failure that opened it (None while closed).
+    cause: Option<FailureCause>,
     times_opened: u64,
 }
 
@@ -70,6 +72,7 @@ impl Breaker {
             failures: VecDeque::new(),
             opened_at: None,
             reason: "healthy".into(),
+            cause: None,
             times_opened: 0,
         }
     }
@@ -81,6 +84,11 @@ impl Breaker {
     /// Why the breaker is in its state (the last transition's reason).
     pub fn reason(&self) -> &str {
         &self.reason
+    }
+
+    /// The failure that opened the breaker (None while closed).
+    pub fn cause(&self) -> Option<FailureCause> {
+        self.cause
     }
 
     /// How often the breaker has opened: a worker started before the latest opening is suspect.
@@ -106,6 +114,7 @@ impl Breaker {
             }
             BreakerState::Closed => {
                 self.opened_at = None;
+                self.cause = None;
                 self.failures.clear();
             }
             BreakerState::HalfOpen => {}
@@ -114,6 +123,14 @@ impl Breaker {
     }
 
     pub fn record_failure(&mut self, cause: FailureCause, reason: &str, now: Instant) -> Option<BreakerTransition> {
+        let t = self.count_failure(cause, reason, now);
+        if t.is_some() {
+            self.cause = Some(cause);
+        }
+        t
+    }
+
+    fn count_failure(&mut self, cause: FailureCause, reason: &str, now: Instant) -> Option<BreakerTransition> {
         match (self.state, cause) {
             (BreakerState::Open, _) => None,
             (BreakerState::HalfOpen, _) => self.go(BreakerState::Open, format!("probe period failed: {reason}"), now),

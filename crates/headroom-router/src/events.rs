@@ -28,7 +28,13 @@ impl ServiceEvent {
 pub enum EventKind {
     BreakerChanged { from: BreakerState, to: BreakerState, reason: String },
     /// The service entered (`degraded: true`) or left degraded mode: GPU requests go to the CPU.
-    Degraded { degraded: bool, reason: String },
+    Degraded {
+        degraded: bool,
+        reason: String,
+        /// While degraded: the plain sentence (see [`crate::degraded`]), for banners and the tray.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        summary: Option<String>,
+    },
     /// The GPU was paused or resumed in settings (the person's choice, not a failure).
     GpuPaused { paused: bool, reason: String },
     /// Settings changed: all of them now, which changed, and which of those wait for a restart.

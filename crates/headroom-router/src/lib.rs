@@ -4,6 +4,7 @@
 //! It never parses HTTP or renders UI.
 
 pub mod breaker;
+pub mod degraded;
 pub mod dispatch;
 pub mod events;
 pub mod journal;
@@ -22,7 +23,8 @@ pub use events::{EventKind, ServiceEvent};
 pub use lane::Lane;
 pub use journal::{Accepted, EndCause, Journal, JournalError, NewRequest, Recovery, RequestRecord, RequestState, Transition};
 pub use settings::{Settings, SettingsFile};
-pub use supervisor::{degradation, AttemptError, CancelSignal, Progress, CpuSetup, DeviceStatus, FailoverRecord, RunOutcome, RunRequest, StreamedToken, LayerPlanner, SupervisionConfig, Supervisor, SupervisorConfig, Target, VramRoom};
+pub use degraded::{degradation, Degradation};
+pub use supervisor::{AttemptError, CancelSignal, Progress, CpuSetup, DeviceStatus, FailoverRecord, RunOutcome, RunRequest, StreamedToken, LayerPlanner, SupervisionConfig, Supervisor, SupervisorConfig, Target, VramRoom};
 pub use worker::{BoxFuture, ExitInfo, HealthReport, ProcessLauncher, ReadyInfo, Worker, WorkerLauncher, WorkerLink, WorkerSpec};
 
 #[derive(Debug, thiserror::Error)]

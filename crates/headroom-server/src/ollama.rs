@@ -310,7 +310,8 @@ pub(crate) async fn ps(State(state): Shared) -> Json<Value> {
         "headroom": {
             "device": gpu.map(|g| g.device.label()).unwrap_or_else(|| "cpu".into()),
             "degraded": status.degraded(),
-            "degraded_reason": status.degraded_reason,
+            "degraded_reason": status.degradation.as_ref().map(|d| &d.reason),
+            "degraded_summary": status.degradation.as_ref().map(|d| &d.summary),
             "workers": status.workers.iter().map(|w| json!({"kind": w.lane.to_string(), "device": w.device.label(), "state": w.state.to_string()})).collect::<Vec<_>>(),
         },
     }]}))

@@ -372,7 +372,10 @@ pub struct HeadroomInfo {
     pub device: String,
     pub simulated: bool,
     pub degraded: bool,
+    /// What failed or what admission found, with its figures.
     pub degraded_reason: Option<String>,
+    /// The same in one plain sentence, for people (see `/v1/status`).
+    pub degraded_summary: Option<String>,
     /// Set when the CPU worker runs a smaller fallback model.
     pub fallback_model: Option<String>,
     /// Set when the GPU worker that served it runs the model split with the CPU.
@@ -399,6 +402,7 @@ impl HeadroomInfo {
             simulated: o.simulated,
             degraded: o.degraded,
             degraded_reason: o.degraded_reason.clone(),
+            degraded_summary: o.degraded_summary.clone(),
             fallback_model: o.fallback_model.clone(),
             split: o.split.map(SplitInfo::from),
             failovers: o

@@ -154,8 +154,8 @@ fn apply_placement(placement: &Placement, headers: &mut HeaderMap) {
         headers.insert(SPLIT, header_value(&openai::SplitInfo::from(split).header()));
     }
     headers.insert(DEGRADED, HeaderValue::from_static(if placement.degraded() { "true" } else { "false" }));
-    if let Some(r) = &placement.degraded_reason {
-        headers.insert(DEGRADED_REASON, header_value(r));
+    if let Some(d) = &placement.degradation {
+        headers.insert(DEGRADED_REASON, header_value(&d.reason));
     }
     if let Some(d) = placement.estimated_delay_ms {
         headers.insert(ESTIMATED_DELAY, HeaderValue::from(d));
@@ -279,7 +279,8 @@ fn stream(state: Arc<AppState>, mut ticket: Ticket, prepared: Prepared, kind: Ki
     let model = state.model_id.clone();
     let fingerprint = format!("fp_{}", state.bundle.short_hash());
     let mut device = placement.device.clone();
-    let (degraded, degraded_reason) = (placement.degraded(), placement.degraded_reason.clone());
+    let degraded = placement.degraded();
+    let (degraded_reason, degraded_summary) = placement.degradation.clone().map(|d| (d.reason, d.summary)).unzip();
     tokio::spawn(async move {
         let chunk = |choice: Value, headroom: Option<Value>| -> Event {
             let mut c = json!({
@@ -298,7 +299,7 @@ fn stream(state: Arc<AppState>, mut ticket: Ticket, prepared: Prepared, kind: Ki
                 Kind::Text => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish}),
             }
         };
-        let first = json!({"request_id": ticket.request_id, "device": device, "degraded": degraded, "degraded_reason": degraded_reason});
+        let first = json!({"request_id": ticket.request_id, "device": device, "degraded": degraded, "degraded_reason": degraded_reason, "degraded_summary": degraded_summary});
         let opening = match kind {
             Kind::Chat => chunk(json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}), Some(first)),
             Kind::Text => chunk(content("", None), Some(first)),
@@ -510,7 +511,11 @@ pub struct StatusBody {
     /// What the served model is: format, quantization, parameters, sizes.
     pub model_info: openai::ModelDetails,
     pub degraded: bool,
+    /// What failed or what admission found, with its figures.
     pub degraded_reason: Option<String>,
+    /// The same in one plain sentence: what happened, which model on the CPU answers, how much
+    /// slower, up to how many tokens.
+    pub degraded_summary: Option<String>,
     /// The GPU is paused in settings: requests go to the CPU worker by choice, not failure.
     pub gpu_paused: bool,
     /// closed, open or half_open.
@@ -557,7 +562,8 @@ fn status_body(state: &AppState) -> StatusBody {
         model: state.model_id.clone(),
         model_info: served_model_details(state),
         degraded: s.degraded(),
-        degraded_reason: s.degraded_reason.clone(),
+        degraded_reason: s.degradation.as_ref().map(|d| d.reason.clone()),
+        degraded_summary: s.degradation.as_ref().map(|d| d.summary.clone()),
         gpu_paused: s.gpu_paused,
         breaker,
         workers,
@@ -677,7 +683,7 @@ async fn readyz(State(state): Shared) -> Response {
     let ready = workers && journal_fault.is_none();
     let reason = journal_fault
         .or_else(|| (!workers).then(|| "no worker is running; the CPU worker is restarting".to_string()))
-        .or_else(|| s.degraded_reason.clone());
+        .or_else(|| s.degradation.as_ref().map(|d| d.reason.clone()));
     let body = ReadyBody { ready, degraded: s.degraded(), reason };
     let code = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     (code, Json(body)).into_response()

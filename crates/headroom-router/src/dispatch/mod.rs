@@ -24,7 +24,8 @@ use headroom_worker::{Device, FailureKind};
 
 use crate::journal::{Accepted, EndCause, Journal, JournalError, NewRequest, Recovery, RequestState, Transition};
 use crate::settings::{Settings, SettingsFile, RESTART_SETTINGS};
-use crate::supervisor::{degradation, AttemptError, CancelSignal, Progress, RunOutcome, RunRequest, StreamedToken, Supervisor, Target};
+use crate::degraded::{degradation, Degradation};
+use crate::supervisor::{AttemptError, CancelSignal, Progress, RunOutcome, RunRequest, StreamedToken, Supervisor, Target};
 use crate::{Error, Lane};
 
 mod budgets;

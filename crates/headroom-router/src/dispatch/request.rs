@@ -282,8 +282,10 @@ impl Dispatcher {
         let id = &sub.run.request_id;
         // Admission (or a wait for GPU memory) may have sent it to the CPU: slower than the
         // client would expect, so say so.
-        outcome.degraded_reason = degradation(&inner.supervisor.status(), !on_gpu, outcome.failovers.last(), Some(&admission));
-        outcome.degraded = outcome.degraded_reason.is_some();
+        let degraded = degradation(&inner.supervisor.status(), !on_gpu, outcome.failovers.last(), Some(&admission), self.cpu_slower_by());
+        outcome.degraded = degraded.is_some();
+        outcome.degraded_reason = degraded.as_ref().map(|d| d.reason.clone());
+        outcome.degraded_summary = degraded.map(|d| d.summary);
         let finishing_lane = if outcome.device == Device::Cpu { &*inner.cpu } else { &inner.gpu };
         if outcome.failovers.is_empty() {
             let total_ms = started.elapsed().as_secs_f64() * 1000.0;

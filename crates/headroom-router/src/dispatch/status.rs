@@ -54,7 +54,7 @@ pub struct WorkerSnapshot {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ServiceStatus {
     /// Why GPU requests are served by the CPU now; None while the GPU serves (or there is none).
-    pub degraded_reason: Option<String>,
+    pub degradation: Option<Degradation>,
     pub breaker: BreakerState,
     pub gpu_paused: bool,
     /// The GPU worker (when one is configured), then the CPU worker.
@@ -69,7 +69,7 @@ pub struct ServiceStatus {
 
 impl ServiceStatus {
     pub fn degraded(&self) -> bool {
-        self.degraded_reason.is_some()
+        self.degradation.is_some()
     }
 }
 
@@ -81,13 +81,13 @@ pub struct Placement {
     pub device: String,
     /// Served by a GPU worker that runs the model split between it and the CPU.
     pub split: Option<headroom_worker::SplitLayers>,
-    pub degraded_reason: Option<String>,
+    pub degradation: Option<Degradation>,
     pub estimated_delay_ms: Option<u64>,
 }
 
 impl Placement {
     pub fn degraded(&self) -> bool {
-        self.degraded_reason.is_some()
+        self.degradation.is_some()
     }
 }
 
@@ -98,7 +98,7 @@ impl Completion {
             request_id: self.outcome.request_id.clone(),
             device: self.outcome.device.label(),
             split: self.outcome.split,
-            degraded_reason: self.outcome.degraded_reason.clone(),
+            degradation: self.outcome.degraded_reason.clone().map(|reason| Degradation { summary: self.outcome.degraded_summary.clone().unwrap_or_else(|| reason.clone()), reason }),
             estimated_delay_ms: Some(0),
         }
     }
@@ -113,6 +113,12 @@ impl Dispatcher {
     /// Every service event from now on (breaker, workers, failovers, queues, memory).
     pub fn subscribe(&self) -> tokio::sync::broadcast::Receiver<crate::ServiceEvent> {
         self.inner.supervisor.subscribe()
+    }
+
+    /// How many times slower the CPU lane decodes than the GPU lane, once both were measured.
+    pub fn cpu_slower_by(&self) -> Option<f64> {
+        let ms = |lane: &LaneQueue| lane.rates.lock().unwrap().decode_ms_per_token;
+        Some(ms(&self.inner.cpu)? / ms(&self.inner.gpu)?.max(1e-9))
     }
 
     /// The service's status now.
@@ -137,7 +143,7 @@ impl Dispatcher {
         let c = device.cpu.as_ref();
         workers.push(snapshot(Lane::Cpu, Device::Cpu, c, if c.is_some() { WorkerState::Ready } else { WorkerState::Down }));
         ServiceStatus {
-            degraded_reason: device.degraded.then(|| device.reason.clone()),
+            degradation: device.degraded.then(|| degradation(&device, true, None, None, self.cpu_slower_by())).flatten(),
             breaker: device.breaker,
             gpu_paused: device.gpu_paused,
             workers,
@@ -156,19 +162,20 @@ impl Dispatcher {
         let status = s.status();
         let gpu = s.config().gpu.as_ref().map(|g| g.device);
         let mut split = None;
-        let (device, degraded_reason) = match (ticket.device_queue, gpu) {
+        let slower = self.cpu_slower_by();
+        let (device, degradation) = match (ticket.device_queue, gpu) {
             (Some(Lane::Gpu), Some(gpu)) => {
                 split = status.gpu.as_ref().and_then(|w| w.split);
                 (gpu.label(), None)
             }
-            (Some(lane), _) => (Device::Cpu.label(), degradation(&status, lane == Lane::Cpu, None, Some(&ticket.admission))),
+            (Some(lane), _) => (Device::Cpu.label(), degradation(&status, lane == Lane::Cpu, None, Some(&ticket.admission), slower)),
             (None, _) => {
                 let record = self.inner.journal.get(&ticket.request_id).ok();
-                (record.and_then(|r| r.device).unwrap_or_else(|| "unknown".into()), status.degraded.then(|| status.reason.clone()))
+                (record.and_then(|r| r.device).unwrap_or_else(|| "unknown".into()), status.degraded.then(|| degradation(&status, true, None, None, slower)).flatten())
             }
         };
         let lane_delay = ticket.device_queue.and_then(|lane| if lane == Lane::Gpu { &self.inner.gpu } else { &*self.inner.cpu }.estimated_delay_ms());
-        Placement { request_id: ticket.request_id.clone(), device, split, degraded_reason, estimated_delay_ms: lane_delay.or_else(|| self.estimated_delay_ms()) }
+        Placement { request_id: ticket.request_id.clone(), device, split, degradation, estimated_delay_ms: lane_delay.or_else(|| self.estimated_delay_ms()) }
     }
 }
 

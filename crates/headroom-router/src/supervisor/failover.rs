@@ -26,6 +26,9 @@ pub struct StreamedToken {
 pub struct FailoverRecord {
     pub from: Device,
     pub to: Device,
+    /// What failed on the GPU (out of memory, device lost…); absent in journals from before it.
+    #[serde(default)]
+    pub kind: Option<FailureKind>,
     pub reason: String,
     /// Tokens already delivered when the GPU failed (0: replayed from the start).
     pub resumed_after_tokens: u32,
@@ -44,6 +47,9 @@ pub struct RunOutcome {
     pub split: Option<headroom_worker::SplitLayers>,
     pub degraded: bool,
     pub degraded_reason: Option<String>,
+    /// The degradation in one plain sentence (see [`crate::degraded`]).
+    #[serde(default)]
+    pub degraded_summary: Option<String>,
     /// The CPU worker's smaller model, when it served the request.
     pub fallback_model: Option<String>,
     pub tokens: Vec<u32>,
@@ -181,15 +187,16 @@ impl Supervisor {
     /// would have (see [`degradation`]; the dispatcher adds admission's reason).
     fn outcome(&self, run: &RunRequest, worker: &Worker, progress: &mut Progress, done: Finished) -> RunOutcome {
         let on_gpu = worker.device.is_gpu();
-        let degraded_reason = degradation(&self.status(), !on_gpu, progress.failovers.last(), None);
+        let degradation = crate::degradation(&self.status(), !on_gpu, progress.failovers.last(), None, None);
         let fallback_model = (!on_gpu && self.cpu_setup().fallback_model_dir.is_some()).then(|| worker.ready.model_name.clone());
         RunOutcome {
             request_id: run.request_id.clone(),
             device: worker.device,
             simulated: worker.ready.simulated,
             split: worker.ready.split,
-            degraded: degraded_reason.is_some(),
-            degraded_reason,
+            degraded: degradation.is_some(),
+            degraded_reason: degradation.as_ref().map(|d| d.reason.clone()),
+            degraded_summary: degradation.map(|d| d.summary),
             fallback_model,
             tokens: std::mem::take(&mut progress.delivered),
             text: std::mem::take(&mut progress.delivered_text),
@@ -238,26 +245,9 @@ impl Supervisor {
         let resumed_after_tokens = progress.delivered.len() as u32;
         self.emit(EventKind::Failover { request_id: run.request_id.clone(), from, to: Device::Cpu, reason: reason.clone(), resumed_after_tokens });
         progress.failed_at = Some(Instant::now());
-        progress.failovers.push(FailoverRecord { from, to: Device::Cpu, reason: reason.clone(), resumed_after_tokens, failure_to_first_token_ms: None });
+        progress.failovers.push(FailoverRecord { from, to: Device::Cpu, kind: Some(kind), reason: reason.clone(), resumed_after_tokens, failure_to_first_token_ms: None });
         AttemptError::GpuFailed { from, kind, reason, resumed_after_tokens }
     }
-}
-
-/// Whether a reply is degraded, and why: the one place that decides, for the headers at submit,
-/// the completion and the stream. It is degraded when the CPU serves it while a GPU is
-/// configured: because the GPU failed it (`failover`), because the GPU is unavailable, or because
-/// admission sent it there (`admission`, its reason).
-pub fn degradation(status: &DeviceStatus, on_cpu: bool, failover: Option<&FailoverRecord>, admission: Option<&str>) -> Option<String> {
-    if !on_cpu || !status.gpu_configured {
-        return None;
-    }
-    if let Some(f) = failover {
-        return Some(f.reason.clone());
-    }
-    if status.degraded {
-        return Some(format!("GPU unavailable: {}", status.reason));
-    }
-    admission.map(|why| format!("sent to the CPU: {why}"))
 }
 
 /// The end of a finished attempt, as the worker reported it.

@@ -25,7 +25,7 @@ use crate::{Error, Result};
 mod failover;
 mod lifecycle;
 
-pub use failover::{degradation, AttemptError, CancelSignal, FailoverRecord, Progress, RunOutcome, RunRequest, StreamedToken, Target};
+pub use failover::{AttemptError, CancelSignal, FailoverRecord, Progress, RunOutcome, RunRequest, StreamedToken, Target};
 use lifecycle::retire_when_idle;
 
 /// Supervision knobs: the `[supervision]` table of a Headroom config file. Units in the names.
@@ -195,6 +195,9 @@ pub struct DeviceStatus {
     #[serde(default)]
     pub gpu_configured: bool,
     pub breaker: BreakerState,
+    /// What opened the breaker, while it is not closed.
+    #[serde(default)]
+    pub breaker_cause: Option<FailureCause>,
     pub reason: String,
     pub degraded: bool,
     /// Paused from settings (the person's choice, not a failure): requests go to the CPU.
@@ -214,6 +217,9 @@ pub struct WorkerStatus {
     /// Where a split model's layers run (see [`headroom_worker::SplitLayers`]).
     #[serde(default)]
     pub split: Option<headroom_worker::SplitLayers>,
+    /// The longest prompt + reply the worker accepts.
+    #[serde(default)]
+    pub context_tokens: Option<u32>,
 }
 
 fn status_of(worker: &Worker) -> WorkerStatus {
@@ -225,6 +231,7 @@ fn status_of(worker: &Worker) -> WorkerStatus {
         bundle_hash: worker.ready.bundle_hash.clone(),
         load_ms: worker.ready.load_ms,
         split: worker.ready.split,
+        context_tokens: Some(worker.ready.context_tokens as u32),
     }
 }
 
@@ -410,7 +417,8 @@ impl Supervisor {
             } else {
                 format!("GPU restored: {}", t.reason)
             };
-            self.emit(EventKind::Degraded { degraded, reason });
+            let summary = degraded.then(|| crate::degradation(&self.status(), true, None, None, None)).flatten().map(|d| d.summary);
+            self.emit(EventKind::Degraded { degraded, reason, summary });
         }
     }
 
@@ -424,6 +432,7 @@ impl Supervisor {
         DeviceStatus {
             gpu_configured: self.inner.config.gpu.is_some(),
             breaker: breaker.state(),
+            breaker_cause: breaker.cause(),
             reason: breaker.reason().to_string(),
             degraded: self.inner.config.gpu.is_some() && !breaker.allows_requests(),
             gpu_paused: self.inner.config.gpu.is_some() && self.gpu_paused(),
