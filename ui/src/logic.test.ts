@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { apiEndpoints, applyChunk, emptyReply, formatDelay, MemoryHistory, modelLine, placementLine, settingsForm, settingsPatch, splitSse, statusView } from "./logic";
+import { apiEndpoints, applyChunk, countdown, replyTiming, axisRange, degradedSpans, formatMiB, emptyReply, formatDelay, MemoryHistory, modelLine, placementLine, settingsForm, settingsPatch, splitSse, statusView } from "./logic";
 
 const gpuWorker = { kind: "gpu", device: "sim", state: "ready", simulated: true };
 const cpuWorker = { kind: "cpu", device: "cpu", state: "ready", simulated: false };
@@ -183,5 +183,50 @@ describe("API endpoints", () => {
     const [openai, ollama] = apiEndpoints("http://127.0.0.1:11434/");
     expect(openai).toMatchObject({ api: "OpenAI", url: "http://127.0.0.1:11434/v1" });
     expect(ollama).toMatchObject({ api: "Ollama", url: "http://127.0.0.1:11434" });
+  });
+});
+
+describe("memory chart", () => {
+  it("ranges an axis from 0 to a round value, never less than its minimum span", () => {
+    expect(axisRange(0.2, 64)).toEqual([0, 100]);
+    expect(axisRange(null, 64)).toEqual([0, 100]);
+    expect(axisRange(17.3, 16)).toEqual([0, 20]);
+    expect(axisRange(1590, 256)).toEqual([0, 2000]);
+    expect(axisRange(70000, 256)).toEqual([0, 100000]);
+  });
+
+  it("reads values with units", () => {
+    expect(formatMiB(null)).toBe("--");
+    expect(formatMiB(0.46)).toBe("0.5 MiB");
+    expect(formatMiB(1500.2)).toBe("1.5 GiB");
+    expect(formatMiB(512)).toBe("512 MiB");
+  });
+
+  it("shades the degraded stretches, open ones up to now", () => {
+    const mark = (t: number, label: string) => ({ t, label, kind: "degraded" as const });
+    const failover = { t: 5, label: "failover sim→cpu", kind: "failover" as const };
+    expect(degradedSpans([mark(10, "degraded"), failover, mark(20, "recovered"), mark(30, "degraded")], 40)).toEqual([[10, 20], [30, 40]]);
+    expect(degradedSpans([mark(20, "recovered")], 40)).toEqual([[-Infinity, 20]]);
+    expect(degradedSpans([], 40)).toEqual([]);
+  });
+});
+
+describe("waits and speeds", () => {
+  it("counts the expected wait down, then says any moment", () => {
+    expect(countdown(5000, 1000, 1000)).toBe("about 5 s left");
+    expect(countdown(5000, 1000, 4000)).toBe("about 2 s left");
+    expect(countdown(5000, 1000, 7000)).toBe("any moment now");
+    expect(countdown(null, 0, 0)).toBe(null);
+  });
+
+  it("measures the time to the first token and the tokens per second", () => {
+    let r = emptyReply(1000);
+    r = applyChunk(r, { choices: [{ delta: { role: "assistant", content: "" } }] }, 1100);
+    expect(replyTiming(r)).toBe(null);
+    r = applyChunk(r, { choices: [{ delta: { content: "In" } }] }, 2200);
+    expect(replyTiming(r)).toBe("first token after 1.2 s");
+    for (let i = 1; i <= 20; i++) r = applyChunk(r, { choices: [{ delta: { content: " x" } }] }, 2200 + i * 50);
+    r = applyChunk(r, { choices: [{ delta: {}, finish_reason: "stop" }] }, 3200);
+    expect(replyTiming(r)).toBe("first token after 1.2 s · 20.0 tokens/s");
   });
 });

@@ -156,18 +156,44 @@ export interface Reply {
   cancelled: boolean;
   error: string | null;
   finishReason: string | null;
+  /** Measured here (ms since the epoch): sent, first text, done; and the text chunks between. */
+  startedAt: number;
+  firstTokenAt: number | null;
+  doneAt: number | null;
+  chunks: number;
 }
 
-export function emptyReply(): Reply {
-  return { requestId: null, text: "", device: null, degraded: false, notice: null, detail: null, failovers: 0, queuedMs: null, done: false, cancelled: false, error: null, finishReason: null };
+export function emptyReply(now = Date.now()): Reply {
+  return { requestId: null, text: "", device: null, degraded: false, notice: null, detail: null, failovers: 0, queuedMs: null, done: false, cancelled: false, error: null, finishReason: null, startedAt: now, firstTokenAt: null, doneAt: null, chunks: 0 };
+}
+
+/** "first token after 1.2 s · 23 tokens/s": what the person waited and the speed they got,
+ *  measured by this client (a chunk carries one token). */
+export function replyTiming(r: Reply): string | null {
+  if (r.firstTokenAt === null) return null;
+  const seconds = (ms: number) => (ms < 10_000 ? `${(ms / 1000).toFixed(1)} s` : `${Math.round(ms / 1000)} s`);
+  const parts = [`first token after ${seconds(r.firstTokenAt - r.startedAt)}`];
+  if (r.doneAt !== null && r.chunks > 1 && r.doneAt > r.firstTokenAt) {
+    parts.push(`${((r.chunks - 1) / ((r.doneAt - r.firstTokenAt) / 1000)).toFixed(1)} tokens/s`);
+  }
+  return parts.join(" · ");
+}
+
+/** The expected wait, counting down from when the server estimated it; "any moment" once the
+ *  estimate has run out and the reply still waits. */
+export function countdown(estimatedMs: number | null, sinceMs: number, nowMs: number): string | null {
+  if (estimatedMs === null || estimatedMs <= 0) return null;
+  const left = estimatedMs - (nowMs - sinceMs);
+  return left > 0 ? `${formatDelay(left)} left` : "any moment now";
 }
 
 /** Folds one OpenAI chat chunk (with Headroom's `headroom` extension) into the reply. */
-export function applyChunk(reply: Reply, chunk: Json): Reply {
+export function applyChunk(reply: Reply, chunk: Json, now = Date.now()): Reply {
   const next = { ...reply };
   if (chunk.error) {
     next.error = chunk.error.message ?? "the request failed";
     next.done = true;
+    next.doneAt = now;
     return next;
   }
   const h = chunk.headroom;
@@ -204,10 +230,15 @@ export function applyChunk(reply: Reply, chunk: Json): Reply {
   const choice = chunk.choices?.[0];
   if (choice) {
     const content = choice.delta?.content;
-    if (typeof content === "string") next.text += content;
+    if (typeof content === "string" && content.length > 0) {
+      next.text += content;
+      next.chunks += 1;
+      if (next.firstTokenAt === null) next.firstTokenAt = now;
+    }
     if (choice.finish_reason) {
       next.finishReason = choice.finish_reason;
       next.done = true;
+      next.doneAt = now;
     }
   }
   return next;
@@ -332,4 +363,42 @@ export function apiEndpoints(address: string): Endpoint[] {
     { api: "OpenAI", url: `${base}/v1`, hint: "base URL for OpenAI clients (openai packages, LangChain, Continue)" },
     { api: "Ollama", url: base, hint: "host for Ollama clients (OLLAMA_HOST, Open WebUI, the ollama packages)" },
   ];
+}
+
+/** A memory axis from 0 to a round value above the data, never spanning less than `minSpan`
+ *  MiB: a flat line of a few KiB must not fill the chart's height with noise. */
+export function axisRange(dataMax: number | null, minSpan: number): [number, number] {
+  const top = Math.max((dataMax ?? 0) * 1.1, minSpan);
+  const step = 10 ** Math.floor(Math.log10(top));
+  const nice = [1, 2, 2.5, 5, 10].map((m) => m * step).find((v) => v >= top) ?? 10 * step;
+  return [0, nice];
+}
+
+/** "512 MiB", "1.2 GiB", "0.5 MiB", or "--" without a value: the legend's readout. */
+export function formatMiB(v: number | null | undefined): string {
+  if (v == null || !Number.isFinite(v)) return "--";
+  if (v >= 1024) return `${(v / 1024).toFixed(1)} GiB`;
+  return `${v >= 10 ? Math.round(v).toLocaleString("en") : v.toFixed(1)} MiB`;
+}
+
+/** The stretches of time the service was degraded, from its degraded/recovered marks; one
+ *  still open ends at `now`, one that began before the window starts at -Infinity. */
+export function degradedSpans(marks: Mark[], now: number): [number, number][] {
+  const spans: [number, number][] = [];
+  let since: number | null = null;
+  let seen = false;
+  for (const m of marks) {
+    if (m.kind !== "degraded") continue;
+    if (m.label === "degraded") {
+      if (since === null) since = m.t;
+    } else if (since !== null) {
+      spans.push([since, m.t]);
+      since = null;
+    } else if (!seen) {
+      spans.push([-Infinity, m.t]);
+    }
+    seen = true;
+  }
+  if (since !== null) spans.push([since, now]);
+  return spans;
 }

@@ -44,6 +44,8 @@ try {
     const reply = await chat(page, "In the beginning");
     assert.match(await reply.getByTestId("device-badge").innerText(), /GPU · sim/);
     assert.ok((await reply.locator(".text").innerText()).trim().length > 0, "the reply has text");
+    // What the person waited and the speed they got, measured in the page.
+    assert.match(await reply.getByTestId("reply-timing").innerText(), /^first token after [\d.]+ s · [\d.]+ tokens\/s$/);
   });
 
   await check("Settings show each API's endpoint; a new VRAM reserve is applied to admission and kept across a reload", async () => {
@@ -100,6 +102,7 @@ try {
     const id = await reply.getAttribute("data-request-id");
     assert.equal((await (await fetch(`${server.url}/v1/requests/${id}`)).json()).state, "queued", "the UI's request waits behind the other");
     await reply.getByTestId("reply-delay").waitFor({ timeout: 5_000 });
+    assert.match(await reply.getByTestId("reply-delay").innerText(), /^queued: (about \d+ (ms|s|min) left|any moment now)$/, "the expected wait counts down");
     await page.locator(".queues tr", { hasText: "cpu" }).filter({ has: page.locator("td:nth-child(2)", { hasText: "1" }) }).waitFor({ timeout: 5_000 });
     await page.screenshot({ path: join(shots, "queued-1440x900.png") });
     await page.getByTestId("stop").click();
@@ -166,6 +169,10 @@ try {
     await page.getByTestId("tab-memory").click();
     await page.getByTestId("memory-chart").locator("canvas").first().waitFor();
     await page.locator(".marks li.failover").first().waitFor({ timeout: 10_000 });
+    // The legend reads the latest values, with units, without hovering.
+    const legend = page.getByTestId("memory-chart").locator(".u-legend");
+    await legend.filter({ hasText: /VRAM used\s*[\d.,]+ (MiB|GiB)/ }).waitFor({ timeout: 10_000 });
+    assert.match(await legend.innerText(), /host RAM used\s*[\d.,]+ (MiB|GiB)/);
   });
 
   await check("stop cancels the request on the server", async () => {
@@ -200,6 +207,20 @@ try {
       assert.ok(overflow <= 0, `${tab}: the page is ${overflow}px wider than the window`);
     }
     await page.screenshot({ path: join(shots, "settings-1024x700.png") });
+  });
+
+  await check("in dark mode (the system's preference) the page and the chart follow it", async () => {
+    await page.emulateMedia({ colorScheme: "dark" });
+    await page.reload();
+    await page.getByTestId("degraded-banner").or(page.getByTestId("gpu-health")).first().waitFor();
+    const background = await page.evaluate(() => getComputedStyle(document.body).backgroundColor);
+    assert.equal(background, "rgb(17, 24, 39)", "the dark background");
+    await page.getByTestId("memory-chart").locator("canvas").first().waitFor();
+    await page.waitForTimeout(1500); // a few status samples on the chart
+    await page.screenshot({ path: join(shots, "ui-dark-1024x700.png") });
+    await page.setViewportSize({ width: 1440, height: 900 });
+    await page.screenshot({ path: join(shots, "ui-dark-1440x900.png") });
+    await page.emulateMedia({ colorScheme: "light" });
   });
 } finally {
   await browser.close();
