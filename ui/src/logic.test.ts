@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { apiEndpoints, applyChunk, countdown, replyTiming, axisRange, degradedSpans, formatMiB, emptyReply, formatDelay, MemoryHistory, modelLine, placementLine, settingsForm, settingsPatch, splitSse, statusView } from "./logic";
+import { apiEndpoints, applyChunk, tokenCount, workerLines, countdown, replyTiming, axisRange, degradedSpans, formatMiB, emptyReply, formatDelay, MemoryHistory, modelLine, placementLine, settingsForm, settingsPatch, splitSse, statusView } from "./logic";
 
 const gpuWorker = { kind: "gpu", device: "sim", state: "ready", simulated: true };
 const cpuWorker = { kind: "cpu", device: "cpu", state: "ready", simulated: false };
@@ -156,6 +156,14 @@ describe("memory panel", () => {
     ]);
     expect(h.columns()[0]).toEqual([90], "a mark moves the window too");
   });
+
+  it("stacks GPU memory by part: weights, requests, other programs", () => {
+    const h = new MemoryHistory(60);
+    h.addStatus({ memory: { gpu: { capacity_bytes: 100 * 1048576, used_bytes: 50 * 1048576, weights_bytes: 15 * 1048576, reserved_bytes: 0 }, vram_reserve_bytes: 20 * 1048576, gpu_held_bytes: 5 * 1048576 } }, 0);
+    expect(h.points[0].vramOther).toBe(30);
+    const [, top, middle, bottom, limit] = h.columns();
+    expect([top[0], middle[0], bottom[0], limit[0]]).toEqual([50, 20, 15, 80]);
+  });
 });
 
 describe("delay", () => {
@@ -228,5 +236,27 @@ describe("waits and speeds", () => {
     for (let i = 1; i <= 20; i++) r = applyChunk(r, { choices: [{ delta: { content: " x" } }] }, 2200 + i * 50);
     r = applyChunk(r, { choices: [{ delta: {}, finish_reason: "stop" }] }, 3200);
     expect(replyTiming(r)).toBe("first token after 1.2 s · 20.0 tokens/s");
+  });
+});
+
+describe("workers side by side", () => {
+  it("gives each worker's model, context, concurrency and measured speed", () => {
+    const status = {
+      workers: [
+        { kind: "gpu", device: "sim", model: "kjv-demo", context_tokens: 1024 },
+        { kind: "cpu", device: "cpu", model: "kjv-small", context_tokens: 3000 },
+      ],
+      queues: [{ device: "gpu", concurrency: 4, ms_per_token: 2.5 }, { device: "cpu", concurrency: 2, ms_per_token: null }],
+    };
+    expect(workerLines(status)).toEqual([
+      { lane: "GPU", text: "GPU: kjv-demo · up to 1k tokens · 4 at a time · 400 tokens/s" },
+      { lane: "CPU", text: "CPU: kjv-small · up to 3,000 tokens · 2 at a time · speed not measured yet" },
+    ]);
+    expect(tokenCount(131072)).toBe("128k");
+  });
+
+  it("says on the reply when a fallback model answered", () => {
+    const r = applyChunk(emptyReply(), { choices: [], headroom: { device: "cpu", degraded: true, fallback_model: "kjv-small", failovers: [] } });
+    expect(r.fallbackModel).toBe("kjv-small");
   });
 });

@@ -150,6 +150,8 @@ export interface Reply {
   notice: string | null;
   /** The technical reason behind the notice (the failure, admission's figures), shown on demand. */
   detail: string | null;
+  /** The CPU worker's smaller fallback model, when it answered instead of the one asked for. */
+  fallbackModel: string | null;
   failovers: number;
   queuedMs: number | null;
   done: boolean;
@@ -164,7 +166,7 @@ export interface Reply {
 }
 
 export function emptyReply(now = Date.now()): Reply {
-  return { requestId: null, text: "", device: null, degraded: false, notice: null, detail: null, failovers: 0, queuedMs: null, done: false, cancelled: false, error: null, finishReason: null, startedAt: now, firstTokenAt: null, doneAt: null, chunks: 0 };
+  return { requestId: null, text: "", device: null, degraded: false, notice: null, detail: null, fallbackModel: null, failovers: 0, queuedMs: null, done: false, cancelled: false, error: null, finishReason: null, startedAt: now, firstTokenAt: null, doneAt: null, chunks: 0 };
 }
 
 /** "first token after 1.2 s · 23 tokens/s": what the person waited and the speed they got,
@@ -200,6 +202,7 @@ export function applyChunk(reply: Reply, chunk: Json, now = Date.now()): Reply {
   if (h) {
     if (h.request_id) next.requestId = h.request_id;
     if (h.device) next.device = h.device;
+    if (h.fallback_model) next.fallbackModel = h.fallback_model;
     if (h.degraded) next.degraded = true;
     if (h.notice === "failover" || h.notice === "restart") {
       next.notice = h.message ?? `continued on ${h.to}`;
@@ -269,7 +272,12 @@ const MIB = 1024 * 1024;
 export interface MemoryPoint {
   t: number; // unix seconds
   vramUsed: number | null;
+  /** The model's weights on the GPU. */
+  vramWeights: number | null;
+  /** What running requests hold (their grants, or the worker's reading if larger). */
   vramReserved: number | null;
+  /** In use by anything else: other programs (a competitor on the sim GPU), allocator slack. */
+  vramOther: number | null;
   vramLimit: number | null; // capacity less the reserve
   vramCapacity: number | null;
   hostUsed: number | null;
@@ -294,10 +302,15 @@ export class MemoryHistory {
     const mib = (b: unknown) => (typeof b === "number" ? b / MIB : null);
     const capacity = mib(gpu?.capacity_bytes);
     const reserve = mib(status.memory?.vram_reserve_bytes);
+    const used = mib(gpu?.used_bytes);
+    const weights = mib(gpu?.weights_bytes);
+    const held = mib(status.memory?.gpu_held_bytes ?? gpu?.reserved_bytes);
     this.push({
       t: tMs / 1000,
-      vramUsed: mib(gpu?.used_bytes),
-      vramReserved: mib(status.memory?.gpu_held_bytes ?? gpu?.reserved_bytes),
+      vramUsed: used,
+      vramWeights: weights,
+      vramReserved: held,
+      vramOther: used !== null ? Math.max(0, used - (weights ?? 0) - (held ?? 0)) : null,
       vramCapacity: capacity,
       vramLimit: capacity !== null && reserve !== null ? capacity - reserve : null,
       hostUsed: host ? (host.total_bytes - host.available_bytes) / MIB : null,
@@ -329,12 +342,16 @@ export class MemoryHistory {
     while (this.marks.length > 0 && this.marks[0].t < from) this.marks.shift();
   }
 
-  /** Columns for uPlot: time, VRAM used, granted, limit, host RAM. */
+  /** Columns for uPlot: time; VRAM stacked from the top (weights + requests + other programs,
+   *  weights + requests, weights), so each part's area lies on the one below; the limit
+   *  (capacity less the reserve); host RAM. */
   columns(): (number | null)[][] {
+    const sum = (...xs: (number | null)[]) => (xs.every((x) => x === null) ? null : xs.reduce<number>((a, x) => a + (x ?? 0), 0));
     return [
       this.points.map((p) => p.t),
-      this.points.map((p) => p.vramUsed),
-      this.points.map((p) => p.vramReserved),
+      this.points.map((p) => sum(p.vramWeights, p.vramReserved, p.vramOther)),
+      this.points.map((p) => sum(p.vramWeights, p.vramReserved)),
+      this.points.map((p) => p.vramWeights),
       this.points.map((p) => p.vramLimit),
       this.points.map((p) => p.hostUsed),
     ];
@@ -401,4 +418,26 @@ export function degradedSpans(marks: Mark[], now: number): [number, number][] {
   }
   if (since !== null) spans.push([since, now]);
   return spans;
+}
+
+/** 8192 → "8k", 3000 → "3,000": token counts as people write them. */
+export function tokenCount(n: number): string {
+  return n >= 1024 && n % 1024 === 0 ? `${n / 1024}k` : n.toLocaleString("en");
+}
+
+/** Each worker as a person compares them: its model, context limit, how many requests it runs
+ *  at once and its measured decode speed ("CPU: kjv-demo · up to 1k tokens · 4 at a time ·
+ *  320 tokens/s"), from `/v1/status`. */
+export function workerLines(status: Json): { lane: string; text: string }[] {
+  const workers: Json[] = status.workers ?? [];
+  const queues: Json[] = Array.isArray(status.queues) ? status.queues : [];
+  return workers.map((w) => {
+    const lane = w.kind === "gpu" ? "GPU" : "CPU";
+    const q = queues.find((x) => x.device === w.kind) ?? {};
+    const parts = [w.model ?? "no model loaded"];
+    if (typeof w.context_tokens === "number") parts.push(`up to ${tokenCount(w.context_tokens)} tokens`);
+    if (typeof q.concurrency === "number") parts.push(`${q.concurrency} at a time`);
+    parts.push(typeof q.ms_per_token === "number" && q.ms_per_token > 0 ? `${Math.round(1000 / q.ms_per_token)} tokens/s` : "speed not measured yet");
+    return { lane, text: `${lane}: ${parts.join(" · ")}` };
+  });
 }

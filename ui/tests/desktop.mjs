@@ -151,6 +151,14 @@ try {
     assert.match((await text("[data-testid=gpu-health]")) ?? "", /GPU (degraded|unavailable)/);
   });
 
+  await check("the banner and the next reply say in plain words what happened and who answers", async () => {
+    const plain = /^The GPU is out of memory; kjv-demo on the CPU is answering(, about \d+× slower)?, up to [\d,k]+ tokens\.$/;
+    assert.match((await text("[data-testid=degraded-summary]")) ?? "", plain);
+    const reply = await chat("Blessed are the meek");
+    assert.equal(reply.badge, "CPU");
+    assert.match(reply.notice ?? "", plain);
+  });
+
   const png = await call("GET", s("/screenshot"));
   writeFileSync(join(root, "docs/screenshots/desktop.png"), Buffer.from(png, "base64"));
 } finally {

@@ -51,6 +51,7 @@ try {
   await check("Settings show each API's endpoint; a new VRAM reserve is applied to admission and kept across a reload", async () => {
     await page.getByTestId("tab-settings").click();
     await page.getByTestId("endpoint-openai").filter({ hasText: `${server.url}/v1` }).waitFor({ timeout: 10_000 });
+    assert.match(await page.getByTestId("setting-worker-cpu").innerText(), /^CPU: kjv-demo · up to [\d,k]+ tokens · 4 at a time/);
     assert.equal(await page.getByTestId("endpoint-ollama").innerText(), server.url);
     await page.getByTestId("setting-vram-reserve").fill("1500");
     await page.getByTestId("settings-save").click();
@@ -144,9 +145,14 @@ try {
   await check("the banner says in plain words what happened, and the breaker's reason is behind Details", async () => {
     assert.match(await page.getByTestId("degraded-summary").innerText(), plain);
     const details = page.getByTestId("degraded-details");
-    assert.equal(await details.locator("p").isVisible(), false, "the reason waits behind the toggle");
+    assert.equal(await details.locator("p").first().isVisible(), false, "the reason waits behind the toggle");
     await details.locator("summary").click();
-    assert.match(await details.locator("p").innerText(), /allocation failures/);
+    assert.match(await details.locator("p").first().innerText(), /allocation failures/);
+    // The worker answering now beside the GPU's: model, limit, concurrency, measured speed.
+    const worker = /^(CPU|GPU): kjv-demo · up to [\d,k]+ tokens · \d+ at a time · (\d+ tokens\/s|speed not measured yet)$/;
+    assert.match(await page.getByTestId("degraded-worker-cpu").innerText(), worker);
+    assert.match(await page.getByTestId("degraded-worker-gpu").innerText(), worker);
+    assert.match(await page.getByTestId("degraded-worker-cpu").innerText(), /tokens\/s$/, "the CPU's speed was measured by now");
     await details.locator("summary").click();
   });
 
@@ -155,13 +161,22 @@ try {
     assert.equal(await reply.getByTestId("device-badge").innerText(), "CPU");
     assert.match(await reply.getByTestId("reply-notice").innerText(), plain);
     const details = reply.getByTestId("reply-details");
-    await page.screenshot({ path: join(shots, "degraded-reply-details-closed-1440x900.png") });
     await details.locator("summary").click();
     assert.match(await details.innerText(), /GPU unavailable: .*allocation failures/);
     assert.match(await details.innerText(), /request req_/);
-    await page.screenshot({ path: join(shots, "degraded-reply-details-open-1440x900.png") });
-    await page.setViewportSize({ width: 1024, height: 700 });
-    await page.screenshot({ path: join(shots, "degraded-reply-details-open-1024x700.png") });
+    // The same reply as people will see it: light and dark, both window sizes, Details closed and open.
+    for (const scheme of ["light", "dark"]) {
+      await page.emulateMedia({ colorScheme: scheme });
+      for (const [width, height] of [[1440, 900], [1024, 700]]) {
+        await page.setViewportSize({ width, height });
+        for (const open of [false, true]) {
+          if ((await details.getAttribute("open")) !== null !== open) await details.locator("summary").click();
+          await reply.scrollIntoViewIfNeeded();
+          await page.screenshot({ path: join(shots, `degraded-reply-${scheme}-${width}x${height}-details-${open ? "open" : "closed"}.png`) });
+        }
+      }
+    }
+    await page.emulateMedia({ colorScheme: "light" });
     await page.setViewportSize({ width: 1440, height: 900 });
   });
 
@@ -171,7 +186,10 @@ try {
     await page.locator(".marks li.failover").first().waitFor({ timeout: 10_000 });
     // The legend reads the latest values, with units, without hovering.
     const legend = page.getByTestId("memory-chart").locator(".u-legend");
-    await legend.filter({ hasText: /VRAM used\s*[\d.,]+ (MiB|GiB)/ }).waitFor({ timeout: 10_000 });
+    await legend.filter({ hasText: /weights\s*[\d.,]+ (MiB|GiB)/ }).waitFor({ timeout: 10_000 });
+    // GPU memory by part, each with its own share.
+    assert.match(await legend.innerText(), /requests\s*[\d.,]+ (MiB|GiB)/);
+    assert.match(await legend.innerText(), /other programs\s*[\d.,]+ (MiB|GiB)/);
     assert.match(await legend.innerText(), /host RAM used\s*[\d.,]+ (MiB|GiB)/);
   });
 

@@ -271,7 +271,9 @@ async fn a_sim_oom_is_served_by_the_cpu_and_every_surface_says_degraded() {
     // many tokens; the failure's own words stay in the reason.
     let summary = body["headroom"]["degraded_summary"].as_str().unwrap_or_default();
     let cpu_model = status["workers"][1]["model"].as_str().unwrap();
+    let cpu_context = status["workers"][1]["context_tokens"].as_u64().expect("the CPU worker's context limit in /v1/status");
     assert!(summary.starts_with(&format!("The GPU is out of memory; {cpu_model} on the CPU is answering")) && summary.ends_with(" tokens."), "plain summary: {summary:?}");
+    assert!(summary.contains(&format!("up to {}k tokens", cpu_context / 1024)) || summary.contains(&format!("up to {cpu_context} tokens")), "plain summary names the CPU's limit {cpu_context}: {summary:?}");
     assert!(body["headroom"]["degraded_reason"].as_str().is_some_and(|r| r.contains("out-of-memory") || r.contains("out of memory")), "{body}");
     assert_eq!(status["workers"][0]["kind"], "gpu");
     assert_eq!(status["workers"][0]["simulated"], true);

@@ -503,6 +503,8 @@ pub struct WorkerInfo {
     pub bundle_hash: Option<String>,
     /// Set while this GPU worker runs the model split with the CPU.
     pub split: Option<openai::SplitInfo>,
+    /// The longest prompt + reply this worker accepts (tokens).
+    pub context_tokens: Option<u32>,
 }
 
 #[derive(Serialize, ToSchema)]
@@ -548,6 +550,7 @@ fn status_body(state: &AppState) -> StatusBody {
             model: w.model.clone(),
             bundle_hash: w.bundle_hash.clone(),
             split: w.split.map(openai::SplitInfo::from),
+            context_tokens: w.context_tokens,
         })
         .collect();
     let memory = json!({

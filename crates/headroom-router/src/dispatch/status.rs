@@ -48,6 +48,8 @@ pub struct WorkerSnapshot {
     pub bundle_hash: Option<String>,
     /// The model runs split between this GPU and the CPU.
     pub split: Option<headroom_worker::SplitLayers>,
+    /// The longest prompt + reply the worker accepts.
+    pub context_tokens: Option<u32>,
 }
 
 /// The whole service at one moment.
@@ -189,5 +191,6 @@ fn snapshot(lane: Lane, device: Device, worker: Option<&crate::supervisor::Worke
         model: worker.map(|w| w.model.clone()),
         bundle_hash: worker.map(|w| w.bundle_hash.clone()),
         split: worker.and_then(|w| w.split),
+        context_tokens: worker.and_then(|w| w.context_tokens),
     }
 }
