@@ -7,7 +7,7 @@ import { join, resolve } from "node:path";
 import { createInterface } from "node:readline";
 
 export const root = resolve(import.meta.dirname, "../..");
-const headroom = process.env.HEADROOM_BIN ?? join(root, "target/debug/headroom");
+export const headroom = process.env.HEADROOM_BIN ?? join(root, "target/debug/headroom");
 
 /** `config` is the headroom.toml text; `args` more `headroom serve` flags; `env` its environment's additions. */
 export async function startServer({ config = "", args = [], env = {} } = {}) {
