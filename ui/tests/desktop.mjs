@@ -3,7 +3,7 @@
 // server with the sim GPU; the window's UI talks to it over Tauri IPC. A chat round trip, then
 // injected OOMs (through the app's HTTP API) must put the degraded notice on screen.
 // Run under `xvfb-run -a dbus-run-session --`; screenshot to docs/screenshots/desktop.png.
-import { spawn } from "node:child_process";
+import { spawn, spawnSync } from "node:child_process";
 import { mkdtempSync, writeFileSync, rmSync } from "node:fs";
 import { createServer } from "node:net";
 import { tmpdir } from "node:os";
@@ -119,7 +119,11 @@ try {
   });
 
   await check("Settings show the app's API endpoints; settings change over IPC: pausing the GPU sends replies to the CPU; resuming brings them back", async () => {
-    const click = async (css) => call("POST", s(`/element/${(await elements(css))[0]}/click`), {});
+    // The degraded window, as the README shows it.
+  const png = await call("GET", s("/screenshot"));
+  writeFileSync(join(root, "docs/screenshots/desktop.png"), Buffer.from(png, "base64"));
+
+  const click = async (css) => call("POST", s(`/element/${(await elements(css))[0]}/click`), {});
     await click("[data-testid=tab-settings]");
     await waitFor("the settings form", async () => (await elements("[data-testid=setting-gpu-paused]")).length > 0);
     // The app's API address, over IPC: what other programs on this machine are told to use.
@@ -157,10 +161,51 @@ try {
     const reply = await chat("Blessed are the meek");
     assert.equal(reply.badge, "CPU");
     assert.match(reply.notice ?? "", plain);
+    // The limits behind Details: the CPU worker's model, context, concurrency and measured speed.
+    const cpu = await run("return document.querySelector('[data-testid=degraded-worker-cpu]')?.textContent ?? null;");
+    assert.match(cpu ?? "", /^CPU: kjv-demo · up to [\d,k]+ tokens · \d+ at a time · \d+ tokens\/s$/);
   });
 
-  const png = await call("GET", s("/screenshot"));
-  writeFileSync(join(root, "docs/screenshots/desktop.png"), Buffer.from(png, "base64"));
+  const click = async (css) => call("POST", s(`/element/${(await elements(css))[0]}/click`), {});
+  const patch = (body) => fetch(`${api}/v1/settings`, { method: "PATCH", headers: { "content-type": "application/json" }, body: JSON.stringify(body) }).then(async (r) => assert.equal(r.status, 200, await r.text()));
+
+  await check("a reply queued behind another counts its expected wait down", async () => {
+    await patch({ cpu_max_concurrency: 1 });
+    const ahead = fetch(`${api}/v1/completions`, { method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify({ model: "default", prompt: "And it came to pass", max_tokens: 900, ignore_eos: true }) });
+    await waitFor("the CPU busy", async () => (await (await fetch(`${api}/v1/status`)).json()).queues.find((q) => q.device === "cpu").running === 1, 10_000);
+    const [input] = await elements("[data-testid=prompt]");
+    await call("POST", s(`/element/${input}/clear`), {});
+    await call("POST", s(`/element/${input}/value`), { text: "The voice of one crying" });
+    await click("[data-testid=send]");
+    await waitFor("the countdown", async () => /^queued: (about \d+ (ms|s|min) left|any moment now)$/.test((await text("[data-testid=reply-delay]")) ?? ""), 10_000);
+    await click("[data-testid=stop]");
+    await waitFor("the reply stopped", async () => (await elements("[data-testid=send]")).length > 0, 10_000);
+    assert.equal((await ahead).status, 200);
+    await patch({ cpu_max_concurrency: 4 });
+  });
+
+  await check("a reply from a fallback model says which model answered", async () => {
+    const corpus = Array.from({ length: 20 }, (_, c) => `\nGenesis ${c + 1}\n\n` + Array.from({ length: 10 }, (_, v) => `  ${v + 1} In the beginning God created the heaven and the earth, chapter ${c + 1} verse ${v + 1}.`).join("\n")).join("\n");
+    writeFileSync(join(dir, "corpus.txt"), corpus);
+    const folder = join(dir, "kjv-small");
+    const headroom = process.env.HEADROOM_BIN ?? join(root, "target/debug/headroom");
+    const trained = spawnSync(headroom, ["train", "--corpus", join(dir, "corpus.txt"), "--out", folder, "--steps", "20", "--layers", "1", "--hidden", "64", "--seq-len", "32", "--batch", "2"], { encoding: "utf8" });
+    assert.equal(trained.status, 0, trained.stderr);
+    await click("[data-testid=tab-settings]");
+    await waitFor("the settings form", async () => (await elements("[data-testid=setting-fallback-model]")).length > 0);
+    await click("[data-testid=setting-gpu-paused]");
+    const [fallback] = await elements("[data-testid=setting-fallback-model]");
+    await call("POST", s(`/element/${fallback}/clear`), {});
+    await call("POST", s(`/element/${fallback}/value`), { text: folder });
+    await click("[data-testid=settings-save]");
+    await waitFor("the fallback's CPU worker", async () => /^CPU: kjv-small/.test((await text("[data-testid=setting-worker-cpu]")) ?? ""), 60_000);
+    const reply = await chat("Genesis 1:1");
+    assert.equal(reply.badge, "CPU");
+    assert.equal(await run("const r = [...document.querySelectorAll('[data-testid=reply]')].at(-1); return r.querySelector('[data-testid=reply-model]')?.innerText ?? null;"), "answered by kjv-small");
+    assert.match(reply.notice ?? "", /kjv-small on the CPU is answering/);
+    await click("[data-testid=tab-memory]");
+  });
+
 } finally {
   if (session) await call("DELETE", `/session/${session}`).catch(() => {});
   driver.kill("SIGTERM");
