@@ -87,7 +87,8 @@ describe("chat stream", () => {
     expect(r.requestId).toBe("req_1");
     expect(r.device).toBe("cpu");
     expect(r.degraded).toBe(true);
-    expect(r.notice).toBe("the sim worker failed; continuing on cpu after 2 tokens");
+    expect(r.notice).toBe("The GPU failed; the CPU continues where it stopped.");
+    expect(r.detail).toBe("the sim worker failed; continuing on cpu after 2 tokens");
     expect(r.failovers).toBe(1);
     expect(r.done).toBe(true);
     expect(r.finishReason).toBe("length");
@@ -97,7 +98,8 @@ describe("chat stream", () => {
     let r = emptyReply();
     r = applyChunk(r, { choices: [{ delta: { content: "In the" } }], headroom: { request_id: "req_2", device: "sim" } });
     r = applyChunk(r, { choices: [], headroom: { notice: "waiting", queue: "cpu", ahead: 2, degraded: true, message: "sim failed: killed; waiting for the cpu worker (2 ahead)" } });
-    expect(r.notice).toBe("sim failed: killed; waiting for the cpu worker (2 ahead)");
+    expect(r.notice).toBe("Waiting for the CPU behind 2 others.");
+    expect(r.detail).toBe("sim failed: killed; waiting for the cpu worker (2 ahead)");
     expect(r.text).toBe("In the");
     r = applyChunk(r, { choices: [{ delta: { content: "And" } }], headroom: { notice: "restart", from: "sim", to: "cpu", degraded: true, message: "cpu answers again from the start" } });
     expect(r.text).toBe("And");

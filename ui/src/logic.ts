@@ -204,20 +204,25 @@ export function applyChunk(reply: Reply, chunk: Json, now = Date.now()): Reply {
     if (h.device) next.device = h.device;
     if (h.fallback_model) next.fallbackModel = h.fallback_model;
     if (h.degraded) next.degraded = true;
+    // Mid-stream notices in plain words; the server's own message goes behind Details.
+    const where = (device: string | undefined) => (device === "cpu" ? "the CPU" : device ? `the GPU (${device})` : "another worker");
     if (h.notice === "failover" || h.notice === "restart") {
-      next.notice = h.message ?? `continued on ${h.to}`;
+      next.notice = h.notice === "restart" ? `The GPU failed; ${where(h.to)} answers again from the start.` : `The GPU failed; ${where(h.to)} continues where it stopped.`;
+      next.detail = h.message ?? null;
       next.device = h.to ?? next.device;
       // A fallback model answers again from the start: its text replaces what came before.
       if (h.notice === "restart") next.text = "";
     } else if (h.notice === "waiting") {
-      next.notice = h.message ?? `waiting for the ${h.queue} worker`;
+      const wait = formatDelay(h.estimated_delay_ms);
+      next.notice = `Waiting for ${where(h.queue)}${typeof h.ahead === "number" && h.ahead > 0 ? ` behind ${h.ahead} other${h.ahead > 1 ? "s" : ""}` : ""}${wait ? `, ${wait}` : ""}.`;
+      next.detail = h.message ?? null;
     } else if (h.degraded && (h.degraded_summary || h.degraded_reason) && !next.notice) {
       next.notice = h.degraded_summary ?? h.degraded_reason;
       next.detail = h.degraded_reason ?? null;
     }
     // The final chunk's plain summary replaces a mid-stream notice; what that said stays behind it.
     if (h.degraded && h.degraded_summary && next.notice !== h.degraded_summary && Array.isArray(h.failovers)) {
-      next.detail = [next.notice, h.degraded_reason].filter((x) => x && x !== h.degraded_summary).join("; ") || null;
+      next.detail = [next.detail ?? next.notice, h.degraded_reason].filter((x) => x && x !== h.degraded_summary).join("; ") || null;
       next.notice = h.degraded_summary;
     }
     if (Array.isArray(h.failovers)) {
