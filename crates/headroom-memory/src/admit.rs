@@ -106,8 +106,8 @@ pub struct Planner {
     pub gpu_layers: Option<u64>,
 }
 
-/// Thousands separators for token counts in reasons.
-fn count(n: u64) -> String {
+/// Thousands separators for token counts in reasons and summaries: 3000 → "3,000".
+pub fn thousands(n: u64) -> String {
     let s = n.to_string();
     let mut out = String::new();
     for (i, c) in s.chars().enumerate() {
@@ -218,7 +218,7 @@ impl Planner {
                 "needs {} ({} of KV cache for {} tokens, {} workspace, {} margin)",
                 human_bytes(needs),
                 human_bytes(fp.kv_bytes),
-                count(fp.tokens),
+                thousands(fp.tokens),
                 human_bytes(fp.workspace_bytes),
                 human_bytes(fp.margin_bytes)
             ),
@@ -293,7 +293,7 @@ impl Planner {
                     max_tokens: m,
                     reason: format!(
                         "{what}; {gpu_state}; max_tokens lowered from {} to {m} to fit now",
-                        count(request.max_tokens)
+                        thousands(request.max_tokens)
                     ),
                 };
             }

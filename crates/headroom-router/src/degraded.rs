@@ -19,7 +19,7 @@ pub struct Degradation {
 
 /// Why the CPU answers a request meant for the GPU, as a person would put it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DegradedCause {
+enum DegradedCause {
     /// An allocation failed, or the GPU has no room for the request now.
     GpuMemory,
     /// The GPU worker died or its device was lost.
@@ -97,7 +97,7 @@ pub fn degradation(status: &DeviceStatus, on_cpu: bool, failover: Option<&Failov
 
 /// "{cause}; {model} on the CPU is answering, about N× slower, up to N tokens." Figures that are
 /// not known (no measured rates yet) are left out rather than guessed.
-pub fn summary(cause: DegradedCause, cpu_model: Option<&str>, cpu_context_tokens: Option<u32>, cpu_slower_by: Option<f64>) -> String {
+fn summary(cause: DegradedCause, cpu_model: Option<&str>, cpu_context_tokens: Option<u32>, cpu_slower_by: Option<f64>) -> String {
     let mut text = format!("{}; {} is answering", cause.words(), cpu_model.map_or_else(|| "the CPU".to_string(), |m| format!("{m} on the CPU")));
     if let Some(x) = cpu_slower_by.filter(|x| x.is_finite() && *x >= 1.5) {
         text.push_str(&format!(", about {}× slower", x.round()));
@@ -114,15 +114,7 @@ fn token_count(n: u32) -> String {
     if n >= 1024 && n % 1024 == 0 {
         return format!("{}k", n / 1024);
     }
-    let digits = n.to_string();
-    let mut out = String::new();
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
+    headroom_memory::thousands(n.into())
 }
 
 #[cfg(test)]

@@ -145,7 +145,7 @@ impl Dispatcher {
         let c = device.cpu.as_ref();
         workers.push(snapshot(Lane::Cpu, Device::Cpu, c, if c.is_some() { WorkerState::Ready } else { WorkerState::Down }));
         ServiceStatus {
-            degradation: device.degraded.then(|| degradation(&device, true, None, None, self.cpu_slower_by())).flatten(),
+            degradation: degradation(&device, true, None, None, self.cpu_slower_by()),
             breaker: device.breaker,
             gpu_paused: device.gpu_paused,
             workers,
@@ -173,7 +173,7 @@ impl Dispatcher {
             (Some(lane), _) => (Device::Cpu.label(), degradation(&status, lane == Lane::Cpu, None, Some(&ticket.admission), slower)),
             (None, _) => {
                 let record = self.inner.journal.get(&ticket.request_id).ok();
-                (record.and_then(|r| r.device).unwrap_or_else(|| "unknown".into()), status.degraded.then(|| degradation(&status, true, None, None, slower)).flatten())
+                (record.and_then(|r| r.device).unwrap_or_else(|| "unknown".into()), degradation(&status, true, None, None, slower))
             }
         };
         let lane_delay = ticket.device_queue.and_then(|lane| if lane == Lane::Gpu { &self.inner.gpu } else { &*self.inner.cpu }.estimated_delay_ms());

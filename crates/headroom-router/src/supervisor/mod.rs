@@ -417,7 +417,7 @@ impl Supervisor {
             } else {
                 format!("GPU restored: {}", t.reason)
             };
-            let summary = degraded.then(|| crate::degradation(&self.status(), true, None, None, None)).flatten().map(|d| d.summary);
+            let summary = crate::degradation(&self.status(), true, None, None, None).map(|d| d.summary);
             self.emit(EventKind::Degraded { degraded, reason, summary });
         }
     }
