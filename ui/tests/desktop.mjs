@@ -3,15 +3,15 @@
 // server with the sim GPU; the window's UI talks to it over Tauri IPC. A chat round trip, then
 // injected OOMs (through the app's HTTP API) must put the degraded notice on screen.
 // Run under `xvfb-run -a dbus-run-session --`; screenshot to docs/screenshots/desktop.png.
-import { spawn, spawnSync } from "node:child_process";
+import { spawn } from "node:child_process";
 import { mkdtempSync, writeFileSync, rmSync } from "node:fs";
 import { createServer } from "node:net";
 import { tmpdir } from "node:os";
-import { join, resolve } from "node:path";
+import { join } from "node:path";
 import assert from "node:assert/strict";
 import { check, finish } from "./checks.mjs";
+import { root, trainSmallModel } from "./server.mjs";
 
-const root = resolve(import.meta.dirname, "../..");
 const app = process.env.HEADROOM_DESKTOP_BIN ?? join(root, "target/debug/headroom-desktop");
 const driverBin = process.env.TAURI_DRIVER ?? "tauri-driver";
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
@@ -78,6 +78,8 @@ try {
   const elements = async (css) => (await call("POST", s("/elements"), { using: "css selector", value: css })).map((e) => Object.values(e)[0]);
   const text = async (css) => run("const e = document.querySelector(arguments[0]); return e ? e.innerText : null;", css);
   const fault = (body) => fetch(`${api}/admin/sim/fault`, { method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify(body) }).then((r) => assert.equal(r.status, 200));
+  const click = async (css) => call("POST", s(`/element/${(await elements(css))[0]}/click`), {});
+  const patch = (body) => fetch(`${api}/v1/settings`, { method: "PATCH", headers: { "content-type": "application/json" }, body: JSON.stringify(body) }).then(async (r) => assert.equal(r.status, 200, await r.text()));
 
   async function chat(prompt) {
     const before = (await elements("[data-testid=reply]")).length;
@@ -119,11 +121,6 @@ try {
   });
 
   await check("Settings show the app's API endpoints; settings change over IPC: pausing the GPU sends replies to the CPU; resuming brings them back", async () => {
-    // The degraded window, as the README shows it.
-  const png = await call("GET", s("/screenshot"));
-  writeFileSync(join(root, "docs/screenshots/desktop.png"), Buffer.from(png, "base64"));
-
-  const click = async (css) => call("POST", s(`/element/${(await elements(css))[0]}/click`), {});
     await click("[data-testid=tab-settings]");
     await waitFor("the settings form", async () => (await elements("[data-testid=setting-gpu-paused]")).length > 0);
     // The app's API address, over IPC: what other programs on this machine are told to use.
@@ -166,8 +163,9 @@ try {
     assert.match(cpu ?? "", /^CPU: kjv-demo · up to [\d,k]+ tokens · \d+ at a time · \d+ tokens\/s$/);
   });
 
-  const click = async (css) => call("POST", s(`/element/${(await elements(css))[0]}/click`), {});
-  const patch = (body) => fetch(`${api}/v1/settings`, { method: "PATCH", headers: { "content-type": "application/json" }, body: JSON.stringify(body) }).then(async (r) => assert.equal(r.status, 200, await r.text()));
+  // The degraded window, as the README shows it.
+  const png = await call("GET", s("/screenshot"));
+  writeFileSync(join(root, "docs/screenshots/desktop.png"), Buffer.from(png, "base64"));
 
   await check("a reply queued behind another counts its expected wait down", async () => {
     await patch({ cpu_max_concurrency: 1 });
@@ -185,12 +183,7 @@ try {
   });
 
   await check("a reply from a fallback model says which model answered", async () => {
-    const corpus = Array.from({ length: 20 }, (_, c) => `\nGenesis ${c + 1}\n\n` + Array.from({ length: 10 }, (_, v) => `  ${v + 1} In the beginning God created the heaven and the earth, chapter ${c + 1} verse ${v + 1}.`).join("\n")).join("\n");
-    writeFileSync(join(dir, "corpus.txt"), corpus);
-    const folder = join(dir, "kjv-small");
-    const headroom = process.env.HEADROOM_BIN ?? join(root, "target/debug/headroom");
-    const trained = spawnSync(headroom, ["train", "--corpus", join(dir, "corpus.txt"), "--out", folder, "--steps", "20", "--layers", "1", "--hidden", "64", "--seq-len", "32", "--batch", "2"], { encoding: "utf8" });
-    assert.equal(trained.status, 0, trained.stderr);
+    const folder = trainSmallModel(dir);
     await click("[data-testid=tab-settings]");
     await waitFor("the settings form", async () => (await elements("[data-testid=setting-fallback-model]")).length > 0);
     await click("[data-testid=setting-gpu-paused]");

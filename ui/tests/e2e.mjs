@@ -4,13 +4,12 @@
 // the CPU, and a queued request cancelled from the UI; then injected OOMs open the breaker: the
 // degraded banner, the CPU badge with its reason, and a stop. Screenshots at 1024×700 and
 // 1440×900 go to docs/screenshots/.
-import { spawnSync } from "node:child_process";
-import { mkdirSync, rmSync, writeFileSync } from "node:fs";
+import { mkdirSync, rmSync } from "node:fs";
 import { join } from "node:path";
 import assert from "node:assert/strict";
 import { check, finish } from "./checks.mjs";
 import { chromium } from "playwright-core";
-import { headroom, root, startServer } from "./server.mjs";
+import { root, startServer, trainSmallModel } from "./server.mjs";
 
 const shots = join(root, "docs/screenshots");
 mkdirSync(shots, { recursive: true });
@@ -242,13 +241,7 @@ try {
   });
 
   await check("a reply from a fallback model says which model answered", async () => {
-    // A second, smaller model: one layer trained for a few steps on a few verses.
-    const corpus = Array.from({ length: 20 }, (_, c) => `\nGenesis ${c + 1}\n\n` + Array.from({ length: 10 }, (_, v) => `  ${v + 1} In the beginning God created the heaven and the earth, chapter ${c + 1} verse ${v + 1}.`).join("\n")).join("\n");
-    const corpusFile = join(server.dir, "corpus.txt");
-    writeFileSync(corpusFile, corpus);
-    const folder = join(server.dir, "kjv-small");
-    const trained = spawnSync(headroom, ["train", "--corpus", corpusFile, "--out", folder, "--steps", "20", "--layers", "1", "--hidden", "64", "--seq-len", "32", "--batch", "2"], { encoding: "utf8" });
-    assert.equal(trained.status, 0, trained.stderr);
+    const folder = trainSmallModel(server.dir);
     // The GPU paused, so the CPU worker answers whatever the breaker does meanwhile.
     await page.getByTestId("tab-settings").click();
     await page.getByTestId("setting-gpu-paused").check();
