@@ -377,13 +377,18 @@ fn interleaved_task(m: &PackedMatrix, a: &[Q8x32], kernel: InterleavedKernel, ou
 }
 
 /// Rows per task: enough work per task to pay for handing it out, and enough tasks to keep
-/// every thread busy to the end.
+/// every thread busy to the end. A decode step (up to [`TOKENS`] tokens: each weight is read
+/// once) gives each thread one run of rows, the longest stream its prefetches can follow
+/// (SmolLM2 Q4_1, 4 sequences on 2 threads: ~10% faster than four runs per thread).
 fn tile_rows(rows: usize, tokens: usize, cols: usize, threads: usize) -> usize {
     const MIN_WORK: usize = 64 * 1024;
     let by_work = MIN_WORK.div_ceil(cols * tokens).max(1);
+    if tokens <= TOKENS {
+        return by_work.max(rows.div_ceil(threads)).min(rows.max(1));
+    }
     let by_balance = rows.div_ceil(threads * 4).max(1);
     // Prefill tiles stay small enough for the tile's rows to sit in the L1/L2 cache.
-    let by_cache = if tokens > 1 { (64 * 1024 / cols.max(1)).max(4) } else { rows };
+    let by_cache = (64 * 1024 / cols.max(1)).max(4);
     by_work.max(by_balance.min(by_cache)).min(rows.max(1))
 }
 
