@@ -259,7 +259,8 @@ fn measure_calibration(
     for (chunk, len) in points {
         let peak = measure_peak(model, bundle, len, 1, chunk, None)? as f64;
         let tokens = (len + 1) as u64;
-        let kv = (shape.kv_bytes_per_token() * tokens) as f64;
+        // The cache as the engine allocates it (whole key blocks).
+        let kv = headroom_model::cpu::CpuCache::bytes(&bundle.config, tokens as usize, model.kv_precision) as f64;
         let rope = (2 * tokens * shape.head_dim * shape.dtype_bytes) as f64;
         samples.push(WorkspaceSample {
             chunk: chunk as u64,

@@ -35,6 +35,9 @@ pub struct ModelShape {
     /// f16 cache (the `cpu_kv_cache` setting). 0: `dtype_bytes`.
     #[serde(default)]
     pub kv_value_bytes: u64,
+    /// Positions a KV cache is allocated in multiples of (the CPU engine's key blocks). 0: 1.
+    #[serde(default)]
+    pub kv_block_tokens: u64,
 }
 
 impl ModelShape {
@@ -53,6 +56,7 @@ impl ModelShape {
             context: config.max_position_embeddings as u64,
             packed_weights_bytes: 0,
             kv_value_bytes: 0,
+            kv_block_tokens: 0,
         }
     }
 
@@ -78,6 +82,7 @@ impl ModelShape {
     pub fn on_cpu(mut self, packed_weights_bytes: u64, kv: KvPrecision) -> Self {
         self.packed_weights_bytes = packed_weights_bytes;
         self.kv_value_bytes = kv.bytes_per_value() as u64;
+        self.kv_block_tokens = headroom_model::cpu::KEY_BLOCK as u64;
         self
     }
 
@@ -259,7 +264,7 @@ impl Footprint {
         margin_percent: f64,
     ) -> Self {
         let tokens = request.prompt_tokens + request.max_tokens;
-        let kv_bytes = shape.kv_bytes_per_token() * tokens;
+        let kv_bytes = shape.kv_bytes_per_token() * tokens.next_multiple_of(shape.kv_block_tokens.max(1));
         let chunk = request.prefill_chunk.clamp(1, request.prompt_tokens.max(1));
         // Attention spans the cache's whole capacity (prompt + max_tokens, unwritten slots
         // masked), so every prefill chunk's score matrix is chunk × capacity.
@@ -316,6 +321,7 @@ mod tests {
             context: 131_072,
             packed_weights_bytes: 0,
             kv_value_bytes: 0,
+            kv_block_tokens: 0,
         }
     }
 

@@ -21,6 +21,7 @@ fn shape() -> ModelShape {
         context: 131_072,
         packed_weights_bytes: 0,
         kv_value_bytes: 0,
+        kv_block_tokens: 0,
     }
 }
 

@@ -2,8 +2,8 @@
 //! kernels of this module instead of burn's tensors.
 
 use half::f16;
-use super::dot::Kernels;
-use super::matrix::{multiply_all, Activations, Bytes, PackedMatrix, SharedPtr};
+use super::attention::{self, attend, KvBuffer, KvLayout, Query, KEY_BLOCK};
+use super::matrix::{multiply_all, Activations, Bytes, PackedMatrix};
 use super::team::Team;
 use crate::config::LlamaConfig;
 use crate::gguf::GgufFile;
@@ -272,7 +272,8 @@ impl CpuModel {
     /// A KV cache for `capacity` tokens at the model's configured precision.
     pub fn new_cache(&self, capacity: usize) -> CpuCache {
         let (kvh, d) = (self.config.kv_heads(), self.config.head_dim());
-        let per_layer = kvh * capacity * d;
+        let slots = CpuCache::slots(capacity);
+        let per_layer = kvh * slots * d;
         let buffer = || match self.kv_precision {
             KvPrecision::F32 => KvBuffer::F32(vec![0.0; per_layer]),
             KvPrecision::F16 => KvBuffer::F16(vec![f16::ZERO; per_layer]),
@@ -280,6 +281,7 @@ impl CpuModel {
         CpuCache {
             keys: (0..self.layers.len()).map(|_| buffer()).collect(),
             values: (0..self.layers.len()).map(|_| buffer()).collect(),
+            layout: KvLayout { slots, head_dim: d },
             len: 0,
             capacity,
         }
@@ -432,13 +434,32 @@ impl CpuModel {
                 s.cache.write(li, s.cache.len, len, kvh, d, &k[first * kvh * d..(first + len) * kvh * d], &v[first * kvh * d..(first + len) * kvh * d]);
                 first += len;
             }
-            attend(segments, li, nh, kvh, d, &q, &mut attn, team);
+            let queries: Vec<Query> = segments
+                .iter()
+                .flat_map(|s| {
+                    let cache = &*s.cache;
+                    (0..s.tokens.len()).map(move |t| Query {
+                        keys: &cache.keys[li],
+                        values: &cache.values[li],
+                        layout: cache.layout,
+                        seen: cache.len + t + 1,
+                    })
+                })
+                .collect();
+            attend(&queries, nh, kvh, d, &q, &mut attn, team);
             layer.o.multiply(&acts(&attn, n, nh * d, decode_steps), &mut proj, team);
             x.iter_mut().zip(&proj).for_each(|(x, p)| *x += p);
 
             rms_norm_rows(&x, &layer.mlp_norm, c.rms_norm_eps, &mut normed);
             multiply_all(&mut [(&layer.gate, &mut gate[..]), (&layer.up, &mut up[..])], &acts(&normed, n, h, decode_steps), team);
-            gate.iter_mut().zip(&up).for_each(|(g, u)| *g = *g / (1.0 + (-*g).exp()) * u);
+            // SiLU: g · σ(g), with e^(-g) from the vector exp, a piece at a time on the stack.
+            for (g, u) in gate.chunks_mut(64).zip(up.chunks(64)) {
+                let mut e = [0f32; 64];
+                let e = &mut e[..g.len()];
+                e.iter_mut().zip(g.iter()).for_each(|(e, g)| *e = -g);
+                attention::exp(e);
+                g.iter_mut().zip(u).zip(e.iter()).for_each(|((g, u), e)| *g = *g / (1.0 + e) * u);
+            }
             layer.down.multiply(&acts(&gate, n, inter, decode_steps), &mut proj, team);
             x.iter_mut().zip(&proj).for_each(|(x, p)| *x += p);
         }
@@ -486,111 +507,36 @@ fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f64, out: &mut [f32]) {
     }
 }
 
-enum KvBuffer {
-    F32(Vec<f32>),
-    F16(Vec<f16>),
-}
-
-impl KvBuffer {
-    /// `scores[j] = q · row (first + j)` for every `j` of `scores`, rows of `d` values, with the
-    /// weight kernels (the cache is a matrix of f32 or f16 rows).
-    fn dot_rows(&self, first: usize, d: usize, q: &[f32], scores: &mut [f32]) {
-        let (bytes, ty) = match self {
-            KvBuffer::F32(b) => (as_bytes(&b[first * d..(first + scores.len()) * d]), GgmlType::F32),
-            KvBuffer::F16(b) => (as_bytes(&b[first * d..(first + scores.len()) * d]), GgmlType::F16),
-        };
-        let row_bytes = bytes.len() / scores.len();
-        let rows = Kernels::detect().float_kernels(ty).0;
-        for (c, s) in scores.chunks_mut(4).enumerate() {
-            rows(&bytes[c * 4 * row_bytes..], row_bytes, q, s);
-        }
-    }
-
-    /// `out += Σ_j weights[j] · row (first + j)`, rows of `d` values.
-    fn add_weighted_rows(&self, first: usize, d: usize, weights: &[f32], out: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if Kernels::detect().name != "scalar" && std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the processor has AVX2.
-            return unsafe { self.add_weighted_rows_avx2(first, d, weights, out) };
-        }
-        self.add_weighted_rows_body(first, d, weights, out)
-    }
-
-    /// The same loop compiled for AVX2: 8 lanes instead of SSE's 4, the same multiplies and adds
-    /// per value (no FMA), so the same result bit for bit.
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
-    unsafe fn add_weighted_rows_avx2(&self, first: usize, d: usize, weights: &[f32], out: &mut [f32]) {
-        self.add_weighted_rows_body(first, d, weights, out)
-    }
-
-    #[inline(always)]
-    fn add_weighted_rows_body(&self, first: usize, d: usize, weights: &[f32], out: &mut [f32]) {
-        let rows = match self {
-            KvBuffer::F32(b) => &b[first * d..(first + weights.len()) * d],
-            KvBuffer::F16(b) => {
-                use half::slice::HalfFloatSliceExt;
-                let mut row = vec![0f32; d];
-                for (j, &p) in weights.iter().enumerate() {
-                    b[(first + j) * d..(first + j + 1) * d].convert_to_f32_slice(&mut row);
-                    out.iter_mut().zip(&row).for_each(|(o, v)| *o += p * v);
-                }
-                return;
-            }
-        };
-        // Four rows per pass over `out`: one load and store of it per four rows instead of per
-        // row (attention's value sums were a tenth of a batched decode step).
-        let mut quads = rows.chunks_exact(4 * d);
-        for (quad, p) in quads.by_ref().zip(weights.chunks_exact(4)) {
-            let (r0, rest) = quad.split_at(d);
-            let (r1, rest) = rest.split_at(d);
-            let (r2, r3) = rest.split_at(d);
-            for ((((o, a), b), c), e) in out.iter_mut().zip(r0).zip(r1).zip(r2).zip(r3) {
-                *o += (p[0] * a + p[1] * b) + (p[2] * c + p[3] * e);
-            }
-        }
-        let done = weights.len() / 4 * 4;
-        for (row, &p) in quads.remainder().chunks_exact(d).zip(&weights[done..]) {
-            out.iter_mut().zip(row).for_each(|(o, v)| *o += p * v);
-        }
-    }
-}
-
-/// The bytes of a slice of plain numbers (f32, f16).
-fn as_bytes<T: Copy>(values: &[T]) -> &[u8] {
-    // SAFETY: f32 and f16 have no padding and every byte pattern is a valid u8.
-    unsafe { std::slice::from_raw_parts(values.as_ptr() as *const u8, std::mem::size_of_val(values)) }
-}
-
-/// Keys and values of every layer, `[kv_heads, capacity, head_dim]` each, allocated once for the
-/// request (prompt + max_tokens) so a running generation never grows its memory.
+/// Keys and values of every layer, allocated once for the request (prompt + max_tokens, rounded
+/// up to whole key blocks) so a running generation never grows its memory. Layout:
+/// [`super::attention`].
 pub struct CpuCache {
     keys: Vec<KvBuffer>,
     values: Vec<KvBuffer>,
+    layout: KvLayout,
     /// Tokens already stored.
     pub len: usize,
     pub capacity: usize,
 }
 
 impl CpuCache {
-    /// Bytes of the cache: 2 × layers × kv_heads × head_dim × capacity × bytes per value.
-    pub fn bytes(config: &LlamaConfig, capacity: usize, precision: KvPrecision) -> usize {
-        2 * config.num_hidden_layers * config.kv_heads() * config.head_dim() * capacity * precision.bytes_per_value()
+    /// Positions the cache holds room for: `capacity` rounded up to whole key blocks.
+    pub fn slots(capacity: usize) -> usize {
+        capacity.next_multiple_of(KEY_BLOCK)
     }
 
+    /// Bytes of the cache: 2 × layers × kv_heads × head_dim × slots × bytes per value.
+    pub fn bytes(config: &LlamaConfig, capacity: usize, precision: KvPrecision) -> usize {
+        2 * config.num_hidden_layers * config.kv_heads() * config.head_dim() * Self::slots(capacity) * precision.bytes_per_value()
+    }
+
+    /// Stores the keys and values (`[n, kvh, d]` each) of positions `start..start + n`.
     #[allow(clippy::too_many_arguments)]
     fn write(&mut self, layer: usize, start: usize, n: usize, kvh: usize, d: usize, k: &[f32], v: &[f32]) {
-        let capacity = self.capacity;
-        for (buffer, src) in [(&mut self.keys[layer], k), (&mut self.values[layer], v)] {
-            for t in 0..n {
-                for g in 0..kvh {
-                    let from = &src[(t * kvh + g) * d..(t * kvh + g + 1) * d];
-                    let at = (g * capacity + start + t) * d;
-                    match buffer {
-                        KvBuffer::F32(b) => b[at..at + d].copy_from_slice(from),
-                        KvBuffer::F16(b) => b[at..at + d].iter_mut().zip(from).for_each(|(o, v)| *o = f16::from_f32(*v)),
-                    }
-                }
+        for t in 0..n {
+            for g in 0..kvh {
+                let at = (t * kvh + g) * d..(t * kvh + g + 1) * d;
+                self.layout.write(&mut self.keys[layer], &mut self.values[layer], g, start + t, &k[at.clone()], &v[at]);
             }
         }
     }
@@ -600,50 +546,6 @@ impl CpuCache {
 struct Segment<'a> {
     tokens: &'a [u32],
     cache: &'a mut CpuCache,
-}
-
-/// Causal attention of every segment's new queries (`q`, the segments' tokens in order, written
-/// to the cache already) over that segment's own cache.
-#[allow(clippy::too_many_arguments)]
-fn attend(segments: &[Segment], layer: usize, nh: usize, kvh: usize, d: usize, q: &[f32], out: &mut [f32], team: &Team) {
-    let rep = nh / kvh;
-    let scale = 1.0 / (d as f32).sqrt();
-    // (segment, position in the cache) of each token.
-    let places: Vec<(usize, usize)> = segments
-        .iter()
-        .enumerate()
-        .flat_map(|(i, s)| (0..s.tokens.len()).map(move |t| (i, s.cache.len + t)))
-        .collect();
-    let per_item = |item: usize, out: &mut [f32]| {
-        let (token, head) = (item / nh, item % nh);
-        let (segment, position) = places[token];
-        let cache = &segments[segment].cache;
-        let (keys, values, capacity) = (&cache.keys[layer], &cache.values[layer], cache.capacity);
-        let g = head / rep;
-        let seen = position + 1;
-        let qh = &q[(token * nh + head) * d..(token * nh + head + 1) * d];
-        let mut scores = vec![0f32; seen];
-        keys.dot_rows(g * capacity, d, qh, &mut scores);
-        let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-        let mut total = 0f32;
-        for s in scores.iter_mut() {
-            *s = ((*s - max) * scale).exp();
-            total += *s;
-        }
-        let inv = 1.0 / total;
-        scores.iter_mut().for_each(|s| *s *= inv);
-        out.fill(0.0);
-        values.add_weighted_rows(g * capacity, d, &scores, out);
-    };
-    // Heads of a short context are too little work to hand out.
-    let work: usize = places.iter().map(|&(_, position)| nh * (position + 1) * d).sum();
-    if work >= 64 * 1024 {
-        let shared = SharedPtr(out.as_mut_ptr());
-        // SAFETY: item i writes its own `d` values.
-        team.for_each(places.len() * nh, |i| per_item(i, unsafe { shared.slice(i * d, d) }));
-    } else {
-        out.chunks_mut(d).enumerate().for_each(|(i, o)| per_item(i, o));
-    }
 }
 
 impl GgufFile {

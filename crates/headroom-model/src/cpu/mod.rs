@@ -11,12 +11,15 @@
 //! - [`matrix`]: packed matrices and their threaded products (decode rows and prefill tiles);
 //! - [`team`]: the pool's threads held together for a forward pass (one wake-up, not one per
 //!   product);
+//! - `attention`: causal attention over the KV cache (query heads of a KV head together, keys
+//!   in blocks of 16 positions), and the vector `exp`;
 //! - [`engine`]: the decoder on top ([`CpuModel`], [`CpuCache`]).
 //!
 //! - `neon`: the aarch64 kernels (the scalar reference's arithmetic, 16 bytes at a time).
 //!
 //! Other processors run the scalar kernels.
 
+mod attention;
 #[doc(hidden)]
 pub mod conformance;
 pub mod dot;
@@ -32,6 +35,7 @@ mod avx512;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 
+pub use attention::KEY_BLOCK;
 pub use engine::{CpuCache, CpuModel, KvPrecision, RopePairs};
 pub use matrix::{Activations, Bytes, PackedMatrix};
 

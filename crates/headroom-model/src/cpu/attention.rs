@@ -1,0 +1,597 @@
+//! Causal attention over the CPU KV cache, and the vector `exp` it and SiLU share.
+//!
+//! One work item is a token and a KV head: the query heads sharing that KV head (grouped-query
+//! attention: 3 in SmolLM2) score the keys and sum the values together, so each key and value is
+//! read once per group instead of once per query head. Keys are stored a block of
+//! [`KEY_BLOCK`] positions at a time with the position innermost (`[head_dim][KEY_BLOCK]`): one
+//! vector multiply-add scores 16 positions against one query value, and no sum ever crosses
+//! vector lanes. Values stay one row per position; a head's output is summed in registers,
+//! 64 values at a time, over every row.
+//!
+//! Every sum is a chain of fused multiply-adds in a fixed order (dimensions for a score,
+//! positions for an output), the same whatever vector width computes it: an item's result
+//! depends only on its query, the cache and how many positions it sees, so a sequence computes
+//! the same in a batch as alone, and in a prefill as token by token.
+
+use half::f16;
+
+use super::dot::Kernels;
+use super::matrix::SharedPtr;
+use super::team::Team;
+
+/// Positions per block of the key cache.
+pub const KEY_BLOCK: usize = 16;
+
+/// Values of one layer's keys or values, f32 or f16.
+pub(super) enum KvBuffer {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+}
+
+impl KvBuffer {
+    fn set(&mut self, at: usize, value: f32) {
+        match self {
+            KvBuffer::F32(b) => b[at] = value,
+            KvBuffer::F16(b) => b[at] = f16::from_f32(value),
+        }
+    }
+}
+
+/// Where a KV head's keys and values lie in a cache of `slots` positions (`capacity` rounded up
+/// to whole key blocks).
+#[derive(Clone, Copy)]
+pub(super) struct KvLayout {
+    pub slots: usize,
+    pub head_dim: usize,
+}
+
+impl KvLayout {
+    /// Index of dimension `c` of position `p`'s key in KV head `g`.
+    pub fn key(self, g: usize, p: usize, c: usize) -> usize {
+        let block = p / KEY_BLOCK;
+        (g * self.slots + block * KEY_BLOCK) * self.head_dim + c * KEY_BLOCK + p % KEY_BLOCK
+    }
+
+    /// Index of dimension `c` of position `p`'s value in KV head `g`.
+    pub fn value(self, g: usize, p: usize, c: usize) -> usize {
+        (g * self.slots + p) * self.head_dim + c
+    }
+
+    /// Writes position `p`'s key and value of KV head `g`.
+    pub fn write(self, keys: &mut KvBuffer, values: &mut KvBuffer, g: usize, p: usize, k: &[f32], v: &[f32]) {
+        for c in 0..self.head_dim {
+            keys.set(self.key(g, p, c), k[c]);
+        }
+        let at = self.value(g, p, 0);
+        match values {
+            KvBuffer::F32(b) => b[at..at + self.head_dim].copy_from_slice(v),
+            KvBuffer::F16(b) => b[at..at + self.head_dim].iter_mut().zip(v).for_each(|(o, v)| *o = f16::from_f32(*v)),
+        }
+    }
+}
+
+/// One token's attention: its query heads (`nh` of `d` values), its layer's cache, and how many
+/// positions it sees (itself included).
+pub(super) struct Query<'a> {
+    pub keys: &'a KvBuffer,
+    pub values: &'a KvBuffer,
+    pub layout: KvLayout,
+    pub seen: usize,
+}
+
+/// Causal attention of every token's query heads `q` (`[tokens, nh, d]`) over what its
+/// [`Query`] sees, into `out` (`[tokens, nh, d]`).
+pub(super) fn attend(queries: &[Query], nh: usize, kvh: usize, d: usize, q: &[f32], out: &mut [f32], team: &Team) {
+    let rep = nh / kvh;
+    let per_item = |item: usize, out: &mut [f32]| {
+        let (token, g) = (item / kvh, item % kvh);
+        let heads = (token * nh + g * rep) * d..(token * nh + (g + 1) * rep) * d;
+        attend_group(&queries[token], g, rep, d, &q[heads], out);
+    };
+    // A short context is too little work to hand out.
+    let work: usize = queries.iter().map(|query| nh * query.seen * d).sum();
+    let items = queries.len() * kvh;
+    if work >= 64 * 1024 {
+        let shared = SharedPtr(out.as_mut_ptr());
+        // SAFETY: item i writes its own `rep * d` values.
+        team.for_each(items, |i| per_item(i, unsafe { shared.slice(i * rep * d, rep * d) }));
+    } else {
+        out.chunks_mut(rep * d).enumerate().for_each(|(i, o)| per_item(i, o));
+    }
+}
+
+/// The `rep` query heads of KV head `g` (`q`: `[rep, d]`) attend over the first `seen`
+/// positions, into `out` (`[rep, d]`).
+fn attend_group(query: &Query, g: usize, rep: usize, d: usize, q: &[f32], out: &mut [f32]) {
+    let (layout, seen, simd) = (query.layout, query.seen, vectors());
+    let padded = seen.next_multiple_of(KEY_BLOCK);
+    let mut scores = vec![0f32; rep * padded];
+    let keys = layout.key(g, 0, 0)..layout.key(g, 0, 0) + padded * d;
+    simd.scores(query.keys, keys, q, d, &mut scores, padded);
+    let scale = 1.0 / (d as f32).sqrt();
+    for scores in scores.chunks_exact_mut(padded) {
+        simd.softmax(&mut scores[..seen], scale);
+    }
+    let values = layout.value(g, 0, 0)..layout.value(g, seen, 0);
+    for (weights, out) in scores.chunks_exact(padded).zip(out.chunks_exact_mut(d)) {
+        simd.weighted_sum(query.values, values.clone(), d, &weights[..seen], out);
+    }
+}
+
+/// The vector width the loops below are compiled for, chosen once per processor. Each form
+/// takes the same steps per value, so all of them give the same bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Vectors {
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    Plain,
+}
+
+pub(super) fn vectors() -> Vectors {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static CHOICE: std::sync::OnceLock<Vectors> = std::sync::OnceLock::new();
+        *CHOICE.get_or_init(|| {
+            let has = |f: &str| match f {
+                "fma" => std::arch::is_x86_feature_detected!("fma"),
+                "f16c" => std::arch::is_x86_feature_detected!("f16c"),
+                "avx2" => std::arch::is_x86_feature_detected!("avx2"),
+                _ => std::arch::is_x86_feature_detected!("avx512f"),
+            };
+            if Kernels::detect().name == "scalar" || !has("fma") || !has("f16c") {
+                Vectors::Plain
+            } else if has("avx512f") {
+                Vectors::Avx512
+            } else if has("avx2") {
+                Vectors::Avx2
+            } else {
+                Vectors::Plain
+            }
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = Kernels::detect;
+        Vectors::Plain
+    }
+}
+
+/// Values a kernel reads 16 at a time as f32: an f32 cache as it is, an f16 cache converted in
+/// registers by the width's own instruction (`W`: 2 AVX-512, 1 F16C on 256 bits, 0 none).
+trait Lanes: Copy {
+    fn load16(self, at: usize) -> [f32; 16];
+    fn get(self, at: usize) -> f32;
+    /// Asks for the line holding value `at` (past the end: nothing).
+    fn prefetch(self, at: usize);
+}
+
+#[derive(Clone, Copy)]
+struct F32Lanes<'a>(&'a [f32]);
+
+#[derive(Clone, Copy)]
+struct F16Lanes<'a, const W: u8>(&'a [f16]);
+
+#[inline(always)]
+fn prefetch_line<T>(values: &[T], at: usize) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch never faults, wherever it points.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(values.as_ptr().wrapping_add(at) as *const i8)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (values, at);
+}
+
+impl Lanes for F32Lanes<'_> {
+    #[inline(always)]
+    fn load16(self, at: usize) -> [f32; 16] {
+        self.0[at..at + 16].try_into().expect("16 values")
+    }
+    #[inline(always)]
+    fn get(self, at: usize) -> f32 {
+        self.0[at]
+    }
+    #[inline(always)]
+    fn prefetch(self, at: usize) {
+        prefetch_line(self.0, at)
+    }
+}
+
+impl<const W: u8> Lanes for F16Lanes<'_, W> {
+    #[inline(always)]
+    fn load16(self, at: usize) -> [f32; 16] {
+        let v = &self.0[at..at + 16];
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::*;
+            // SAFETY: `v` holds 16 values; W names features the processor has (see `vectors`),
+            // and this is only inlined into functions compiled with them.
+            if W == 2 {
+                return unsafe { std::mem::transmute::<__m512, [f32; 16]>(_mm512_cvtph_ps(_mm256_loadu_si256(v.as_ptr() as *const __m256i))) };
+            }
+            if W == 1 {
+                return unsafe {
+                    let p = v.as_ptr() as *const __m128i;
+                    std::mem::transmute::<[__m256; 2], [f32; 16]>([_mm256_cvtph_ps(_mm_loadu_si128(p)), _mm256_cvtph_ps(_mm_loadu_si128(p.add(1)))])
+                };
+            }
+        }
+        std::array::from_fn(|l| v[l].to_f32())
+    }
+    #[inline(always)]
+    fn get(self, at: usize) -> f32 {
+        self.0[at].to_f32()
+    }
+    #[inline(always)]
+    fn prefetch(self, at: usize) {
+        prefetch_line(self.0, at)
+    }
+}
+
+/// Calls `$body` with the buffer's values as [`Lanes`] of width `$w`.
+macro_rules! with_lanes {
+    ($buffer:expr, $range:expr, $w:literal, |$lanes:ident| $body:expr) => {
+        match $buffer {
+            KvBuffer::F32(b) => {
+                let $lanes = F32Lanes(&b[$range]);
+                $body
+            }
+            KvBuffer::F16(b) => {
+                let $lanes = F16Lanes::<'_, $w>(&b[$range]);
+                $body
+            }
+        }
+    };
+}
+
+impl Vectors {
+    /// `scores[h · stride + j] = q_h · key_j` for the heads of `q` (`[heads, d]`) and every
+    /// position of the key blocks at `range` of `keys` (`[blocks][d][KEY_BLOCK]`).
+    fn scores(self, keys: &KvBuffer, range: std::ops::Range<usize>, q: &[f32], d: usize, scores: &mut [f32], stride: usize) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: chosen only where the processor has these features.
+            Vectors::Avx512 => with_lanes!(keys, range, 2, |k| unsafe { wide::scores(k, q, d, scores, stride) }),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            Vectors::Avx2 => with_lanes!(keys, range, 1, |k| unsafe { narrow::scores(k, q, d, scores, stride) }),
+            Vectors::Plain => with_lanes!(keys, range, 0, |k| scores_body(k, q, d, scores, stride)),
+        }
+    }
+
+    /// `out = Σ_j weights[j] · row j` of the rows at `range` of `values` (`[weights.len(), d]`).
+    fn weighted_sum(self, values: &KvBuffer, range: std::ops::Range<usize>, d: usize, weights: &[f32], out: &mut [f32]) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: chosen only where the processor has these features.
+            Vectors::Avx512 => with_lanes!(values, range, 2, |v| unsafe { wide::weighted_sum(v, d, weights, out) }),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            Vectors::Avx2 => with_lanes!(values, range, 1, |v| unsafe { narrow::weighted_sum(v, d, weights, out) }),
+            Vectors::Plain => with_lanes!(values, range, 0, |v| weighted_sum_body(v, d, weights, out)),
+        }
+    }
+
+    /// `x = softmax(scale · x)`.
+    fn softmax(self, x: &mut [f32], scale: f32) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: chosen only where the processor has these features.
+            Vectors::Avx512 => unsafe { wide::softmax(x, scale) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            Vectors::Avx2 => unsafe { narrow::softmax(x, scale) },
+            Vectors::Plain => softmax_body(x, scale),
+        }
+    }
+
+    /// `x = eˣ` for every value, within 2 ulp of the exact result.
+    pub fn exp(self, x: &mut [f32]) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: chosen only where the processor has these features.
+            Vectors::Avx512 => unsafe { wide::exp(x) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            Vectors::Avx2 => unsafe { narrow::exp(x) },
+            Vectors::Plain => exp_body(x),
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod wide {
+    use super::Lanes;
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn scores(keys: impl Lanes, q: &[f32], d: usize, scores: &mut [f32], stride: usize) {
+        super::scores_body(keys, q, d, scores, stride)
+    }
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn weighted_sum(rows: impl Lanes, d: usize, weights: &[f32], out: &mut [f32]) {
+        super::weighted_sum_body(rows, d, weights, out)
+    }
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn exp(x: &mut [f32]) {
+        super::exp_body(x)
+    }
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn softmax(x: &mut [f32], scale: f32) {
+        super::softmax_body(x, scale)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod narrow {
+    use super::Lanes;
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn scores(keys: impl Lanes, q: &[f32], d: usize, scores: &mut [f32], stride: usize) {
+        super::scores_body(keys, q, d, scores, stride)
+    }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn weighted_sum(rows: impl Lanes, d: usize, weights: &[f32], out: &mut [f32]) {
+        super::weighted_sum_body(rows, d, weights, out)
+    }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn exp(x: &mut [f32]) {
+        super::exp_body(x)
+    }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn softmax(x: &mut [f32], scale: f32) {
+        super::softmax_body(x, scale)
+    }
+}
+
+/// How far ahead of what they multiply the kernels ask for cache lines, in bytes: the
+/// hardware's prefetcher stops at every 4 KiB page, and each key block is one.
+const AHEAD_BYTES: usize = 2048;
+
+#[inline(always)]
+fn scores_body(keys: impl Lanes, q: &[f32], d: usize, scores: &mut [f32], stride: usize) {
+    let block = d * KEY_BLOCK;
+    let blocks = stride / KEY_BLOCK;
+    let ahead = AHEAD_BYTES / std::mem::size_of::<f32>();
+    for (h, qh) in q.chunks_exact(d).enumerate() {
+        let scores = &mut scores[h * stride..];
+        // Two blocks at a time: eight independent chains keep the multiply-adds overlapping.
+        let mut b = 0;
+        while b + 2 <= blocks {
+            score_blocks::<2>(keys, b * block, qh, &mut scores[b * KEY_BLOCK..(b + 2) * KEY_BLOCK], if h == 0 { ahead } else { 0 });
+            b += 2;
+        }
+        if b < blocks {
+            score_blocks::<1>(keys, b * block, qh, &mut scores[b * KEY_BLOCK..(b + 1) * KEY_BLOCK], if h == 0 { ahead } else { 0 });
+        }
+    }
+}
+
+/// Scores of `B` key blocks from value `first`: per block, four chains (dimensions
+/// `c ≡ 0..3 mod 4`) added at the end, the same steps whatever `B`. `ahead`: how many values
+/// past each line read to prefetch (0: none; the first head brings the blocks in for the rest).
+#[inline(always)]
+fn score_blocks<const B: usize>(keys: impl Lanes, first: usize, q: &[f32], scores: &mut [f32], ahead: usize) {
+    let d = q.len();
+    let mut acc = [[[0f32; KEY_BLOCK]; 4]; B];
+    let whole = d / 4 * 4;
+    for c in (0..whole).step_by(4) {
+        for (b, acc) in acc.iter_mut().enumerate() {
+            let at = first + b * d * KEY_BLOCK + c * KEY_BLOCK;
+            if ahead > 0 {
+                // Four rows of 16 f32 values are four lines (f16: two).
+                for j in 0..4 {
+                    keys.prefetch(at + ahead + j * KEY_BLOCK);
+                }
+            }
+            for (j, acc) in acc.iter_mut().enumerate() {
+                let (qc, k) = (q[c + j], keys.load16(at + j * KEY_BLOCK));
+                for l in 0..KEY_BLOCK {
+                    acc[l] = qc.mul_add(k[l], acc[l]);
+                }
+            }
+        }
+    }
+    for (b, acc) in acc.iter_mut().enumerate() {
+        for c in whole..d {
+            let k = keys.load16(first + b * d * KEY_BLOCK + c * KEY_BLOCK);
+            for l in 0..KEY_BLOCK {
+                acc[0][l] = q[c].mul_add(k[l], acc[0][l]);
+            }
+        }
+        for l in 0..KEY_BLOCK {
+            scores[b * KEY_BLOCK + l] = (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]);
+        }
+    }
+}
+
+/// Columns of the output summed in registers at a time.
+const SUM_WIDTH: usize = 64;
+
+/// Even and odd rows in two chains per column (twice the multiply-adds in flight of one),
+/// summed in registers `SUM_WIDTH` columns at a time, the chains added at the end.
+#[inline(always)]
+fn weighted_sum_body(rows: impl Lanes, d: usize, weights: &[f32], out: &mut [f32]) {
+    let whole = d / SUM_WIDTH * SUM_WIDTH;
+    let ahead = AHEAD_BYTES / std::mem::size_of::<f32>();
+    let mut chains = vec![0f32; 2 * (d - whole)];
+    for at in (0..whole).step_by(SUM_WIDTH) {
+        let (mut even, mut odd) = ([0f32; SUM_WIDTH], [0f32; SUM_WIDTH]);
+        let add = |acc: &mut [f32; SUM_WIDTH], row: usize, w: f32| {
+            if at == 0 {
+                for line in (0..d).step_by(16) {
+                    rows.prefetch(row + ahead + line);
+                }
+            }
+            for part in 0..SUM_WIDTH / 16 {
+                let v = rows.load16(row + 16 * part);
+                for l in 0..16 {
+                    acc[16 * part + l] = w.mul_add(v[l], acc[16 * part + l]);
+                }
+            }
+        };
+        let pairs = weights.len() / 2;
+        for j in 0..pairs {
+            add(&mut even, 2 * j * d + at, weights[2 * j]);
+            add(&mut odd, (2 * j + 1) * d + at, weights[2 * j + 1]);
+        }
+        if weights.len() % 2 == 1 {
+            add(&mut even, 2 * pairs * d + at, weights[2 * pairs]);
+        }
+        for l in 0..SUM_WIDTH {
+            out[at + l] = even[l] + odd[l];
+        }
+    }
+    // What is left of a head wider than a multiple of the width: the same chains, in memory.
+    if whole < d {
+        let rest = d - whole;
+        for (j, &w) in weights.iter().enumerate() {
+            let chain = &mut chains[(j % 2) * rest..(j % 2 + 1) * rest];
+            for (i, o) in chain.iter_mut().enumerate() {
+                *o = w.mul_add(rows.get(j * d + whole + i), *o);
+            }
+        }
+        for i in 0..rest {
+            out[whole + i] = chains[i] + chains[rest + i];
+        }
+    }
+}
+
+/// Softmax with the maximum and the sum taken 16 lanes at a time (a fixed order, so the same
+/// bits at every width), the exponentials from [`exp_body`].
+#[inline(always)]
+fn softmax_body(x: &mut [f32], scale: f32) {
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let mut chunks = x.chunks_exact(16);
+    for chunk in chunks.by_ref() {
+        for l in 0..16 {
+            lanes[l] = lanes[l].max(chunk[l]);
+        }
+    }
+    let max = chunks.remainder().iter().fold(lanes.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)), |m, &v| m.max(v));
+    x.iter_mut().for_each(|v| *v = (*v - max) * scale);
+    exp_body(x);
+    let mut sums = [0f32; 16];
+    let mut chunks = x.chunks_exact(16);
+    for chunk in chunks.by_ref() {
+        for l in 0..16 {
+            sums[l] += chunk[l];
+        }
+    }
+    let total = sums.iter().sum::<f32>() + chunks.remainder().iter().sum::<f32>();
+    let inv = 1.0 / total;
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// eˣ as Cephes' `expf` computes it: `x = n·ln 2 + r` with `|r| ≤ ln 2 / 2`, a degree-7
+/// polynomial for eʳ, and 2ⁿ put in the exponent bits. Inputs are clamped to the range whose
+/// results are normal floats (softmax and SiLU never need more).
+#[inline(always)]
+fn exp_body(x: &mut [f32]) {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const P: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1];
+    // Adding 1.5 · 2²³ rounds to an integer, which then sits in the low mantissa bits.
+    const ROUND: f32 = 12_582_912.0;
+    for v in x.iter_mut() {
+        let x = v.clamp(-87.3, 88.3);
+        let t = x * LOG2E + ROUND;
+        let n = t - ROUND;
+        let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, x));
+        let mut p = P[0];
+        for c in &P[1..] {
+            p = p.mul_add(r, *c);
+        }
+        let y = p.mul_add(r * r, r) + 1.0;
+        *v = y * f32::from_bits(t.to_bits().wrapping_add(127) << 23);
+    }
+}
+
+/// `x = eˣ` for every value (see [`Vectors::exp`]).
+pub(super) fn exp(x: &mut [f32]) {
+    vectors().exp(x)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_is_within_two_ulp() {
+        let inputs: Vec<f32> = (-87_000..88_000).map(|i| i as f32 / 1000.0).chain([0.0, -0.0, 1e-7, -1e-7]).collect();
+        for form in [Vectors::Plain, vectors()] {
+            let mut got = inputs.clone();
+            form.exp(&mut got);
+            for (x, y) in inputs.iter().zip(&got) {
+                let want = (*x as f64).exp();
+                let ulp = (want as f32).to_bits().abs_diff(y.to_bits());
+                assert!(ulp <= 2, "exp({x}) = {y}, exact {want}: {ulp} ulp");
+            }
+        }
+    }
+
+    /// The vector forms give the bits of the plain one, from f32 and f16 caches alike.
+    #[test]
+    fn every_vector_width_computes_the_same_bits() {
+        let (d, padded, rep) = (72, 48, 3);
+        let data: Vec<f32> = (0..d * padded).map(|i| ((i * 37 % 101) as f32 - 50.0) / 16.0).collect();
+        let q: Vec<f32> = (0..rep * d).map(|i| ((i * 53 % 97) as f32 - 48.0) / 23.0).collect();
+        let weights: Vec<f32> = (0..padded - 5).map(|i| (i as f32 * 0.37).sin().abs()).collect();
+        let buffers = [KvBuffer::F32(data.clone()), KvBuffer::F16(data.iter().map(|v| f16::from_f32(*v)).collect())];
+        for buffer in &buffers {
+            let run = |form: Vectors| {
+                let mut scores = vec![0f32; rep * padded];
+                form.scores(buffer, 0..d * padded, &q, d, &mut scores, padded);
+                let mut out = vec![0f32; d];
+                form.weighted_sum(buffer, 0..weights.len() * d, d, &weights, &mut out);
+                (scores, out)
+            };
+            assert_eq!(run(Vectors::Plain), run(vectors()), "{:?}", vectors());
+        }
+        // f16 holds these values exactly: both caches compute the same.
+        let f32_result = {
+            let mut scores = vec![0f32; rep * padded];
+            Vectors::Plain.scores(&buffers[0], 0..d * padded, &q, d, &mut scores, padded);
+            scores
+        };
+        let mut f16_scores = vec![0f32; rep * padded];
+        vectors().scores(&buffers[1], 0..d * padded, &q, d, &mut f16_scores, padded);
+        assert_eq!(f32_result, f16_scores);
+    }
+
+    /// Scores and sums are the plain dot products and weighted sums, up to rounding.
+    #[test]
+    fn scores_and_sums_are_what_they_say() {
+        let (d, blocks, rep) = (64, 2, 2);
+        let padded = blocks * KEY_BLOCK;
+        let key = |p: usize, c: usize| ((p * 31 + c * 7) % 13) as f32 - 6.0;
+        let mut keys = vec![0f32; padded * d];
+        let layout = KvLayout { slots: padded, head_dim: d };
+        for p in 0..padded {
+            for c in 0..d {
+                keys[layout.key(0, p, c)] = key(p, c);
+            }
+        }
+        let q: Vec<f32> = (0..rep * d).map(|i| (i % 5) as f32 - 2.0).collect();
+        let mut scores = vec![0f32; rep * padded];
+        vectors().scores(&KvBuffer::F32(keys), 0..padded * d, &q, d, &mut scores, padded);
+        for h in 0..rep {
+            for p in 0..padded {
+                let want: f32 = (0..d).map(|c| q[h * d + c] * key(p, c)).sum();
+                assert_eq!(scores[h * padded + p], want, "head {h} position {p}");
+            }
+        }
+        for d in [64, 80] {
+            let rows: Vec<f32> = (0..5 * d).map(|i| (i % 9) as f32).collect();
+            let weights = [0.5, 0.25, 1.0, 2.0, 0.125];
+            let mut out = vec![9f32; d];
+            vectors().weighted_sum(&KvBuffer::F32(rows.clone()), 0..5 * d, d, &weights, &mut out);
+            for c in 0..d {
+                let want: f32 = weights.iter().enumerate().map(|(j, w)| w * rows[j * d + c]).sum();
+                assert_eq!(out[c], want, "d {d} column {c}");
+            }
+        }
+    }
+}
+
+
