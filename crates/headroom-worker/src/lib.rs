@@ -108,7 +108,7 @@ impl WorkerOptions {
         Self {
             device,
             // The CPU worker batches its requests too (`headroom model bench --concurrency`:
-            // four sequences decode ~1.3–1.5× one sequence's tokens/s on 2 cores, all of them
+            // four sequences decode ~1.8–1.9× one sequence's tokens/s on 2 cores, all of them
             // streaming), so a full GPU lane that fails over keeps streaming instead of queueing.
             max_concurrency: 4,
             // The CPU path is slow at long contexts and must not eat host RAM: cap it below

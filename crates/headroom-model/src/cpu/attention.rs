@@ -8,10 +8,11 @@
 //! vector lanes. Values stay one row per position; a head's output is summed in registers,
 //! 64 values at a time, over every row.
 //!
-//! Every sum is a chain of fused multiply-adds in a fixed order (dimensions for a score,
-//! positions for an output), the same whatever vector width computes it: an item's result
-//! depends only on its query, the cache and how many positions it sees, so a sequence computes
-//! the same in a batch as alone, and in a prefill as token by token.
+//! Every sum is a fixed set of fused multiply-add chains added in a fixed order (a score: four
+//! chains over the dimensions; an output: even and odd positions), the same whatever vector
+//! width computes it: an item's result depends only on its query, the cache and how many
+//! positions it sees, so a sequence computes the same in a batch as alone, and in a prefill as
+//! token by token.
 
 use half::f16;
 
@@ -26,15 +27,6 @@ pub const KEY_BLOCK: usize = 16;
 pub(super) enum KvBuffer {
     F32(Vec<f32>),
     F16(Vec<f16>),
-}
-
-impl KvBuffer {
-    fn set(&mut self, at: usize, value: f32) {
-        match self {
-            KvBuffer::F32(b) => b[at] = value,
-            KvBuffer::F16(b) => b[at] = f16::from_f32(value),
-        }
-    }
 }
 
 /// Where a KV head's keys and values lie in a cache of `slots` positions (`capacity` rounded up
@@ -59,8 +51,12 @@ impl KvLayout {
 
     /// Writes position `p`'s key and value of KV head `g`.
     pub fn write(self, keys: &mut KvBuffer, values: &mut KvBuffer, g: usize, p: usize, k: &[f32], v: &[f32]) {
-        for c in 0..self.head_dim {
-            keys.set(self.key(g, p, c), k[c]);
+        // A key's dimensions lie KEY_BLOCK values apart.
+        let first = self.key(g, p, 0);
+        let places = (first..first + self.head_dim * KEY_BLOCK).step_by(KEY_BLOCK);
+        match keys {
+            KvBuffer::F32(b) => places.zip(k).for_each(|(at, k)| b[at] = *k),
+            KvBuffer::F16(b) => places.zip(k).for_each(|(at, k)| b[at] = f16::from_f32(*k)),
         }
         let at = self.value(g, p, 0);
         match values {
@@ -344,7 +340,8 @@ mod narrow {
 }
 
 /// How far ahead of what they multiply the kernels ask for cache lines, in bytes: the
-/// hardware's prefetcher stops at every 4 KiB page, and each key block is one.
+/// hardware's prefetcher stops at every 4 KiB page, and a key block (64 dimensions, f32) is
+/// one.
 const AHEAD_BYTES: usize = 2048;
 
 #[inline(always)]
