@@ -179,7 +179,7 @@ impl Planner {
     /// The request in host RAM on the CPU worker, whose KV cache has the configured
     /// `cpu_kv_cache` precision.
     pub fn host_footprint(&self, request: RequestShape) -> Footprint {
-        let shape = self.shape.clone().on_cpu(self.shape.packed_weights_bytes, self.config.cpu_kv_cache);
+        let shape = self.shape.clone().with_cpu_cache(self.config.cpu_kv_cache);
         Footprint::estimate(&shape, request, &self.calibration, self.config.fragmentation_margin_percent)
     }
 
@@ -187,7 +187,7 @@ impl Planner {
     /// worker (f32, as the split's CPU part holds it). None unless the model runs split.
     pub fn split_host_footprint(&self, request: RequestShape) -> Option<Footprint> {
         let gpu_layers = self.gpu_layers?;
-        let shape = ModelShape { layers: self.shape.layers.saturating_sub(gpu_layers), ..self.shape.clone() }.on_cpu(self.shape.packed_weights_bytes, headroom_model::KvPrecision::F32);
+        let shape = ModelShape { layers: self.shape.layers.saturating_sub(gpu_layers), ..self.shape.clone() }.with_cpu_cache(headroom_model::KvPrecision::F32);
         Some(Footprint::estimate(&shape, request, &self.calibration, self.config.fragmentation_margin_percent))
     }
 

@@ -81,6 +81,11 @@ impl ModelShape {
     /// `dtype_bytes`), the KV cache at `kv`.
     pub fn on_cpu(mut self, packed_weights_bytes: u64, kv: KvPrecision) -> Self {
         self.packed_weights_bytes = packed_weights_bytes;
+        self.with_cpu_cache(kv)
+    }
+
+    /// This shape's KV cache as the CPU engine allocates it: values at `kv`, whole key blocks.
+    pub fn with_cpu_cache(mut self, kv: KvPrecision) -> Self {
         self.kv_value_bytes = kv.bytes_per_value() as u64;
         self.kv_block_tokens = headroom_model::cpu::KEY_BLOCK as u64;
         self

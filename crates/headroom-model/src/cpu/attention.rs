@@ -114,8 +114,9 @@ fn attend_group(query: &Query, g: usize, rep: usize, d: usize, q: &[f32], out: &
     }
 }
 
-/// The vector width the loops below are compiled for, chosen once per processor. Each form
-/// takes the same steps per value, so all of them give the same bits.
+/// The vector width the loops below are compiled for: the one the chosen kernel set
+/// ([`Kernels::detect`]) was built for, whose features it implies. Each form takes the same
+/// steps per value, so all of them give the same bits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Vectors {
     #[cfg(target_arch = "x86_64")]
@@ -126,31 +127,12 @@ pub(super) enum Vectors {
 }
 
 pub(super) fn vectors() -> Vectors {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static CHOICE: std::sync::OnceLock<Vectors> = std::sync::OnceLock::new();
-        *CHOICE.get_or_init(|| {
-            let has = |f: &str| match f {
-                "fma" => std::arch::is_x86_feature_detected!("fma"),
-                "f16c" => std::arch::is_x86_feature_detected!("f16c"),
-                "avx2" => std::arch::is_x86_feature_detected!("avx2"),
-                _ => std::arch::is_x86_feature_detected!("avx512f"),
-            };
-            if Kernels::detect().name == "scalar" || !has("fma") || !has("f16c") {
-                Vectors::Plain
-            } else if has("avx512f") {
-                Vectors::Avx512
-            } else if has("avx2") {
-                Vectors::Avx2
-            } else {
-                Vectors::Plain
-            }
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = Kernels::detect;
-        Vectors::Plain
+    match Kernels::detect().name {
+        #[cfg(target_arch = "x86_64")]
+        "avx512-vnni" => Vectors::Avx512,
+        #[cfg(target_arch = "x86_64")]
+        "avx2" => Vectors::Avx2,
+        _ => Vectors::Plain,
     }
 }
 
@@ -297,47 +279,33 @@ impl Vectors {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-mod wide {
-    use super::Lanes;
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub(super) unsafe fn scores(keys: impl Lanes, q: &[f32], d: usize, scores: &mut [f32], stride: usize) {
-        super::scores_body(keys, q, d, scores, stride)
-    }
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub(super) unsafe fn weighted_sum(rows: impl Lanes, d: usize, weights: &[f32], out: &mut [f32]) {
-        super::weighted_sum_body(rows, d, weights, out)
-    }
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub(super) unsafe fn exp(x: &mut [f32]) {
-        super::exp_body(x)
-    }
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub(super) unsafe fn softmax(x: &mut [f32], scale: f32) {
-        super::softmax_body(x, scale)
-    }
+/// The loops compiled with a width's features: one module per width, the same functions.
+macro_rules! compiled_for {
+    ($module:ident, $features:literal) => {
+        #[cfg(target_arch = "x86_64")]
+        mod $module {
+            use super::Lanes;
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn scores(keys: impl Lanes, q: &[f32], d: usize, scores: &mut [f32], stride: usize) {
+                super::scores_body(keys, q, d, scores, stride)
+            }
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn weighted_sum(rows: impl Lanes, d: usize, weights: &[f32], out: &mut [f32]) {
+                super::weighted_sum_body(rows, d, weights, out)
+            }
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn exp(x: &mut [f32]) {
+                super::exp_body(x)
+            }
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn softmax(x: &mut [f32], scale: f32) {
+                super::softmax_body(x, scale)
+            }
+        }
+    };
 }
-
-#[cfg(target_arch = "x86_64")]
-mod narrow {
-    use super::Lanes;
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn scores(keys: impl Lanes, q: &[f32], d: usize, scores: &mut [f32], stride: usize) {
-        super::scores_body(keys, q, d, scores, stride)
-    }
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn weighted_sum(rows: impl Lanes, d: usize, weights: &[f32], out: &mut [f32]) {
-        super::weighted_sum_body(rows, d, weights, out)
-    }
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn exp(x: &mut [f32]) {
-        super::exp_body(x)
-    }
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn softmax(x: &mut [f32], scale: f32) {
-        super::softmax_body(x, scale)
-    }
-}
+compiled_for!(wide, "avx512f,avx2,fma,f16c");
+compiled_for!(narrow, "avx2,fma,f16c");
 
 /// How far ahead of what they multiply the kernels ask for cache lines, in bytes: the
 /// hardware's prefetcher stops at every 4 KiB page, and a key block (64 dimensions, f32) is
@@ -410,7 +378,6 @@ const SUM_WIDTH: usize = 64;
 fn weighted_sum_body(rows: impl Lanes, d: usize, weights: &[f32], out: &mut [f32]) {
     let whole = d / SUM_WIDTH * SUM_WIDTH;
     let ahead = AHEAD_BYTES / std::mem::size_of::<f32>();
-    let mut chains = vec![0f32; 2 * (d - whole)];
     for at in (0..whole).step_by(SUM_WIDTH) {
         let (mut even, mut odd) = ([0f32; SUM_WIDTH], [0f32; SUM_WIDTH]);
         let add = |acc: &mut [f32; SUM_WIDTH], row: usize, w: f32| {
@@ -441,6 +408,7 @@ fn weighted_sum_body(rows: impl Lanes, d: usize, weights: &[f32], out: &mut [f32
     // What is left of a head wider than a multiple of the width: the same chains, in memory.
     if whole < d {
         let rest = d - whole;
+        let mut chains = vec![0f32; 2 * rest];
         for (j, &w) in weights.iter().enumerate() {
             let chain = &mut chains[(j % 2) * rest..(j % 2 + 1) * rest];
             for (i, o) in chain.iter_mut().enumerate() {
