@@ -60,6 +60,10 @@ pub struct GenerateRequest {
     /// another model (a fallback) makes its own tokens from it.
     #[serde(default)]
     pub source: Option<PromptSource>,
+    /// Embed the prompt instead of generating (`max_tokens` is 0): the mean of its tokens'
+    /// hidden states after the final norm, scaled to length 1 (see [`Session::embedding`]).
+    #[serde(default)]
+    pub embed: bool,
 }
 
 /// The client's prompt before tokenization, and the bundle whose tokenizer (and chat template)
@@ -94,7 +98,13 @@ impl GenerateRequest {
             resume: None,
             ignore_eos: false,
             source: None,
+            embed: false,
         }
+    }
+
+    /// A request to embed `prompt_tokens` (see [`GenerateRequest::embed`]).
+    pub fn embedding(prompt_tokens: Vec<u32>) -> Self {
+        Self { embed: true, ..Self::new(prompt_tokens, 0, SamplingParams::default()) }
     }
 }
 
@@ -147,6 +157,9 @@ pub trait Decoder {
     fn new_cache(&self, config: &crate::LlamaConfig, capacity: usize) -> Self::Cache;
     /// Feeds `tokens` at the cache's position and returns the logits of the last.
     fn feed(&self, tokens: &[u32], cache: &mut Self::Cache) -> Vec<f32>;
+    /// Feeds `tokens` at the cache's position and gives the sum of their hidden states after the
+    /// final norm (`hidden_size` values): what an embedding pools.
+    fn feed_pooled(&self, tokens: &[u32], cache: &mut Self::Cache) -> Vec<f32>;
     /// Feeds one token to each of several sequences (each its own cache) and gives each one's
     /// logits, exactly what [`Decoder::feed`] of that token alone returns, or, where `pick[i]`
     /// (the sequence samples greedily) and the model runs on a device, the most likely token
@@ -181,6 +194,9 @@ impl<B: Backend> Decoder for Llama<B> {
     fn feed(&self, tokens: &[u32], cache: &mut BurnCache<B>) -> Vec<f32> {
         self.step(tokens, &cache.rope, &mut cache.kv)
     }
+    fn feed_pooled(&self, tokens: &[u32], cache: &mut BurnCache<B>) -> Vec<f32> {
+        self.step_pooled(tokens, &cache.rope, &mut cache.kv)
+    }
     fn feed_batch(&self, batch: &mut [(u32, &mut BurnCache<B>)], pick: &[bool]) -> Vec<Next> {
         let mut batch: Vec<(u32, &RopeTables<B>, &mut KvCache<B>)> =
             batch.iter_mut().map(|(token, cache)| (*token, &cache.rope, &mut cache.kv)).collect();
@@ -195,6 +211,9 @@ impl Decoder for crate::cpu::CpuModel {
     }
     fn feed(&self, tokens: &[u32], cache: &mut crate::cpu::CpuCache) -> Vec<f32> {
         self.step(tokens, cache)
+    }
+    fn feed_pooled(&self, tokens: &[u32], cache: &mut crate::cpu::CpuCache) -> Vec<f32> {
+        self.step_pooled(tokens, cache)
     }
     /// Always logits: on the CPU the sampler's argmax is as cheap as picking here.
     fn feed_batch(&self, batch: &mut [(u32, &mut crate::cpu::CpuCache)], _pick: &[bool]) -> Vec<Next> {
@@ -230,6 +249,8 @@ pub struct Session<'m, M: Decoder> {
     unfed: Option<u32>,
     /// When the first prompt token was fed (prefill time runs from there).
     prefill_started: Option<Instant>,
+    /// An embedding's sum of the prompt's final hidden states so far; `None` for a generation.
+    pooled: Option<Vec<f32>>,
 }
 
 /// What a [`Session`] needs next.
@@ -243,6 +264,24 @@ pub enum Work {
     /// Logits are ready: the next token can be sampled.
     Sample,
     Finished,
+}
+
+/// Checks an embedding request: a prompt of at least one token that fits the context, nothing to
+/// generate.
+pub fn check_embedding(request: &GenerateRequest, context: usize) -> Result<()> {
+    let tokens = request.prompt_tokens.len();
+    if tokens == 0 {
+        return Err(Error::InvalidRequest("the input to embed is empty".into()));
+    }
+    if request.max_tokens != 0 || request.resume.is_some() {
+        return Err(Error::InvalidRequest("an embedding generates nothing: max_tokens must be 0, with no checkpoint".into()));
+    }
+    if tokens > context {
+        return Err(Error::InvalidRequest(format!(
+            "the input has {tokens} tokens, but the model embeds at most {context}; shorten it or split it into several inputs"
+        )));
+    }
+    Ok(())
 }
 
 /// Checks the context limit and says exactly how much fits.
@@ -296,7 +335,11 @@ impl<'m, M: Decoder> Session<'m, M> {
     pub fn new(model: &'m M, bundle: &'m ModelBundle, request: &GenerateRequest) -> Result<Self> {
         request.sampling.validate()?;
         let context = bundle.config.max_position_embeddings;
-        check_context(request.prompt_tokens.len(), request.max_tokens, context)?;
+        if request.embed {
+            check_embedding(request, context)?;
+        } else {
+            check_context(request.prompt_tokens.len(), request.max_tokens, context)?;
+        }
         let vocab = bundle.config.vocab_size as u32;
         if let Some(bad) = request.prompt_tokens.iter().find(|&&t| t >= vocab) {
             return Err(Error::InvalidRequest(format!(
@@ -355,6 +398,7 @@ impl<'m, M: Decoder> Session<'m, M> {
             replayed: 0,
             unfed: None,
             prefill_started: None,
+            pooled: request.embed.then(|| vec![0.0; bundle.config.hidden_size]),
         })
     }
 
@@ -377,9 +421,34 @@ impl<'m, M: Decoder> Session<'m, M> {
     /// Feeds the next prompt chunk (when [`Self::work`] is `Prefill`).
     pub fn feed_prefill(&mut self) {
         let Work::Prefill(range) = self.work() else { panic!("no prompt left to feed") };
-        self.prefill_started.get_or_insert_with(Instant::now);
+        let started = *self.prefill_started.get_or_insert_with(Instant::now);
+        if let Some(pooled) = &mut self.pooled {
+            let sum = self.model.feed_pooled(&self.prompt[range.clone()], &mut self.cache);
+            // Test-only: each chunk replaces the sum of the chunks before it.
+            if crate::test_defect("embed-last-chunk") {
+                pooled.fill(0.0);
+            }
+            pooled.iter_mut().zip(sum).for_each(|(p, s)| *p += s);
+            self.prompt_fed = range.end;
+            if self.prompt_fed == self.prompt.len() {
+                self.prefill_ms = started.elapsed().as_secs_f64() * 1000.0;
+                self.finished = Some(FinishReason::Stop);
+            }
+            return;
+        }
         let logits = self.model.feed(&self.prompt[range], &mut self.cache);
         self.fed(Next::Logits(logits));
+    }
+
+    /// An embedding request's vector once its whole prompt is in: the mean of the prompt's
+    /// hidden states after the final norm, scaled to length 1 (so a dot product is the cosine
+    /// similarity). `None` for a generation, or before the prompt is in.
+    pub fn embedding(&self) -> Option<Vec<f32>> {
+        let pooled = self.pooled.as_ref().filter(|_| self.prompt_fed == self.prompt.len())?;
+        let n = self.prompt.len() as f32;
+        let mean: Vec<f32> = pooled.iter().map(|s| s / n).collect();
+        let norm = mean.iter().map(|v| v * v).sum::<f32>().sqrt().max(f32::MIN_POSITIVE);
+        Some(mean.iter().map(|v| v / norm).collect())
     }
 
     /// Whether the model may pick this session's next tokens itself (greedy, no penalty).

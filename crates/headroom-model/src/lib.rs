@@ -27,7 +27,7 @@ pub mod train;
 pub use bundle::{resolve_model, ModelBundle, WeightFormat};
 pub use config::LlamaConfig;
 pub use generate::{
-    generate, BurnCache, CancelToken, Checkpoint, Decoder, FinishReason, GenerateRequest, Generation, PromptInput,
+    check_embedding, generate, BurnCache, CancelToken, Checkpoint, Decoder, FinishReason, GenerateRequest, Generation, PromptInput,
     Next, PromptSource, Session, StreamEvent, TeacherForced, teacher_forced, Work,
 };
 pub use batch::Batch;

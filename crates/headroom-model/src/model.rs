@@ -403,6 +403,17 @@ impl<B: Backend> Llama<B> {
         }
     }
 
+    /// Feeds `tokens` at the cache's position and gives the sum of their hidden states after the
+    /// final norm (`hidden_size` values, summed on the device): what an embedding pools.
+    pub fn step_pooled(&self, tokens: &[u32], rope: &RopeTables<B>, cache: &mut KvCache<B>) -> Vec<f32> {
+        let device = self.embed_tokens.weight.device();
+        let ids: Vec<i64> = tokens.iter().map(|&id| id as i64).collect();
+        let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, tokens.len()]), &device);
+        let start = cache.len;
+        let hidden = self.hidden(input, &mut [Place { rope, start, cache: Some(cache) }]);
+        hidden.sum_dim(1).into_data().convert::<f32>().into_vec::<f32>().expect("hidden states are f32 after convert")
+    }
+
     /// Feeds one token to each of several sequences, each at its own cache's position, in one
     /// pass: every weight is read once for the whole batch. Gives each sequence its logits, or,
     /// where `pick`, its most likely token, chosen on the device.

@@ -80,9 +80,10 @@ impl<B: Backend> SplitModel<B> {
     }
 
     /// Runs `inputs`, each `(tokens, cache)`, through the CPU's layers, the GPU's and the head;
-    /// gives each input's logits of its last token. `decode_steps`: every input is one token of
-    /// its own sequence; otherwise there is one input (a prefill chunk).
-    fn run(&self, inputs: &mut [(&[u32], &mut SplitCache<B>)], decode_steps: bool) -> Vec<Vec<f32>> {
+    /// gives each input's logits of its last token, or (`pooled`) the sum of its tokens' final
+    /// hidden states. `decode_steps`: every input is one token of its own sequence; otherwise
+    /// there is one input (a prefill chunk).
+    fn run(&self, inputs: &mut [(&[u32], &mut SplitCache<B>)], decode_steps: bool, pooled: bool) -> Vec<Vec<f32>> {
         let h = self.cpu.config.hidden_size;
         let shape = match &*inputs {
             [(tokens, _)] => [1, tokens.len(), h],
@@ -101,7 +102,7 @@ impl<B: Backend> SplitModel<B> {
         }
         let device = &self.device;
         let gpu = &self.gpu;
-        self.cpu.step_around(&mut cpu_inputs, decode_steps, move |x| {
+        self.cpu.step_around(&mut cpu_inputs, decode_steps, pooled, move |x| {
             // Test-only: the GPU layers keep no cache and attend to the new tokens alone.
             let forget = crate::test_defect("split-gpu-no-cache");
             let mut places: Vec<Place<'_, B>> = gpu_parts
@@ -130,7 +131,11 @@ impl<B: Backend> Decoder for SplitModel<B> {
     }
 
     fn feed(&self, tokens: &[u32], cache: &mut SplitCache<B>) -> Vec<f32> {
-        self.run(&mut [(tokens, cache)], false).pop().expect("one input gives one row of logits")
+        self.run(&mut [(tokens, cache)], false, false).pop().expect("one input gives one row of logits")
+    }
+
+    fn feed_pooled(&self, tokens: &[u32], cache: &mut SplitCache<B>) -> Vec<f32> {
+        self.run(&mut [(tokens, cache)], false, true).pop().expect("one input gives one pooled row")
     }
 
     /// Always logits: the head is on the CPU, where the sampler's argmax is as cheap.
@@ -140,6 +145,6 @@ impl<B: Backend> Decoder for SplitModel<B> {
         }
         let mut inputs: Vec<(&[u32], &mut SplitCache<B>)> =
             batch.iter_mut().map(|(token, cache)| (std::slice::from_ref(&*token), &mut **cache)).collect();
-        self.run(&mut inputs, true).into_iter().map(Next::Logits).collect()
+        self.run(&mut inputs, true, false).into_iter().map(Next::Logits).collect()
     }
 }

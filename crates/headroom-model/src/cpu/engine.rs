@@ -296,6 +296,20 @@ impl CpuModel {
         })
     }
 
+    /// Feeds `tokens` at position `cache.len` and gives the sum of their hidden states after the
+    /// final norm (`hidden_size` values): what an embedding pools.
+    pub fn step_pooled(&self, tokens: &[u32], cache: &mut CpuCache) -> Vec<f32> {
+        Team::run(|team| {
+            let mut segments = [Segment { tokens, cache }];
+            let mut x = self.embed_rows(&segments);
+            self.run_layers(&mut x, &mut segments, false, team);
+            let normed = self.finish(&x, &mut segments);
+            // Test-only: pool the residual stream before the final norm.
+            let pooled = if crate::test_defect("embed-before-norm") { &x } else { &normed };
+            sum_rows(pooled, self.config.hidden_size)
+        })
+    }
+
     /// One decode step of several sequences at once, each `(token, its cache)`: every matrix is
     /// read once for all of them. Each sequence's logits are exactly those [`Self::step`] gives
     /// it alone (the rows go through the same row kernels, attention reads its own cache).
@@ -324,12 +338,14 @@ impl CpuModel {
     /// One step of a split model ([`crate::split::SplitModel`]): the embedding and this
     /// model's layers (the first ones) on `inputs`, each `(tokens, cache)`, then `rest` (the
     /// remaining layers, elsewhere) on the residual stream `[tokens, hidden]`, then the final
-    /// norm and the head here. Gives each input's logits of its last token. `decode_steps`:
-    /// every input is one sequence's single decode token.
+    /// norm and the head here. Gives each input's logits of its last token, or (`pooled`) the
+    /// sum of its tokens' final hidden states. `decode_steps`: every input is one sequence's
+    /// single decode token.
     pub(crate) fn step_around(
         &self,
         inputs: &mut [(&[u32], &mut CpuCache)],
         decode_steps: bool,
+        pooled: bool,
         rest: impl FnOnce(Vec<f32>) -> Vec<f32>,
     ) -> Vec<Vec<f32>> {
         let mut segments: Vec<Segment> = inputs.iter_mut().map(|(tokens, cache)| Segment { tokens, cache }).collect();
@@ -342,8 +358,18 @@ impl CpuModel {
         let x = rest(x);
         let h = self.config.hidden_size;
         assert_eq!(x.len(), segments.iter().map(|s| s.tokens.len()).sum::<usize>() * h, "the rest of the layers gives a row per token");
+        let normed = self.finish(&x, &mut segments);
+        if pooled {
+            let mut start = 0;
+            return segments
+                .iter()
+                .map(|s| {
+                    start += s.tokens.len();
+                    sum_rows(&normed[(start - s.tokens.len()) * h..start * h], h)
+                })
+                .collect();
+        }
         Team::run(|team| {
-            let normed = self.finish(&x, &mut segments);
             let mut last = Vec::with_capacity(segments.len() * h);
             let mut end = 0;
             for s in &segments {
@@ -494,6 +520,15 @@ impl CpuModel {
             }
         }
     }
+}
+
+/// The sum of `rows`' rows of `width` values.
+fn sum_rows(rows: &[f32], width: usize) -> Vec<f32> {
+    let mut sum = vec![0f32; width];
+    for row in rows.chunks_exact(width) {
+        sum.iter_mut().zip(row).for_each(|(s, v)| *s += v);
+    }
+    sum
 }
 
 fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f64, out: &mut [f32]) {
