@@ -113,6 +113,9 @@ pub enum FromWorker {
         prefill_ms: f64,
         decode_ms: f64,
         checkpoint: Checkpoint,
+        /// An embedding request's vector: the mean of its prompt's final hidden states, length 1.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        embedding: Option<Vec<f32>>,
     },
     Failed {
         /// `None` for a failure outside any request (a load).

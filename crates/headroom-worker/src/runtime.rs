@@ -555,9 +555,18 @@ impl State {
             Ok(own) => own,
             Err(e) => return Err(refuse(FailureKind::Invalid, e.to_string())),
         };
+        if job.request.embed && own.is_some() {
+            // Another model's vectors live in another space: never mix them into the asker's.
+            return Err(refuse(FailureKind::Invalid, format!("this worker holds {}, not the model the embedding was asked of", loaded.bundle.name())));
+        }
         let request = own.as_ref().unwrap_or(&job.request);
         let context = self.context_limit(&loaded.bundle);
-        if let Err(e) = headroom_model::generate::check_context(request.prompt_tokens.len(), request.max_tokens, context) {
+        let checked = if request.embed {
+            headroom_model::check_embedding(request, context)
+        } else {
+            headroom_model::generate::check_context(request.prompt_tokens.len(), request.max_tokens, context)
+        };
+        if let Err(e) = checked {
             let message = if context < loaded.bundle.config.max_position_embeddings {
                 format!("{e} (this worker's context limit is {context} tokens)")
             } else {
@@ -598,7 +607,8 @@ impl State {
         };
         let run = Running {
             _reservation: reservation,
-            oom_after: self.faults.take_oom_after_tokens(),
+            // An embedding makes no tokens: the fault waits for a generation.
+            oom_after: if request.embed { None } else { self.faults.take_oom_after_tokens() },
             index: session.generated().len() as u32,
             produced: 0,
             prompt_tokens: request.prompt_tokens.len() as u32,
@@ -724,6 +734,7 @@ impl Running {
             prefill_ms: session.prefill_ms,
             decode_ms: self.decode_started.map_or(0.0, |t| t.elapsed().as_secs_f64() * 1000.0),
             checkpoint: session.checkpoint(),
+            embedding: session.embedding(),
         }
     }
 }
@@ -740,6 +751,9 @@ fn warm_up<M: Decoder>(model: &M, bundle: &ModelBundle, max_concurrency: u32) ->
     for n in 2..=requests.len() {
         headroom_model::batch::generate_together(model, bundle, &requests[..n])?;
     }
+    // An embedding's pooled sum is a reduction of its own.
+    let embedding = GenerateRequest::embedding(requests[0].prompt_tokens.clone());
+    headroom_model::Session::start(model, bundle, &embedding, &CancelToken::new())?;
     Ok(())
 }
 

@@ -63,6 +63,9 @@ pub struct RunOutcome {
     #[serde(default)]
     pub decode_ms: f64,
     pub failovers: Vec<FailoverRecord>,
+    /// An embedding request's vector (see `GenerateRequest::embed`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub embedding: Option<Vec<f32>>,
 }
 
 /// A cancellation that can be fired from anywhere (a client disconnect, a cancel endpoint) and
@@ -206,6 +209,7 @@ impl Supervisor {
             prefill_ms: done.prefill_ms,
             decode_ms: done.decode_ms,
             failovers: std::mem::take(&mut progress.failovers),
+            embedding: done.embedding,
         }
     }
 
@@ -257,6 +261,7 @@ struct Finished {
     completion_tokens: u32,
     prefill_ms: f64,
     decode_ms: f64,
+    embedding: Option<Vec<f32>>,
 }
 
 /// How a worker's request stream ended.
@@ -292,8 +297,11 @@ async fn relay(
                 progress.delivered_token(token, &text, eos, rng_word_pos);
                 on_token(&StreamedToken { index, token, text, device });
             }
-            FromWorker::Done { finish_reason, prompt_tokens, completion_tokens, prefill_ms, decode_ms, .. } => {
-                return Ok(Relayed::Done(Finished { finish_reason, prompt_tokens, completion_tokens, prefill_ms, decode_ms }));
+            FromWorker::Done { finish_reason, prompt_tokens, completion_tokens, prefill_ms, decode_ms, embedding, .. } => {
+                if run.request.embed && embedding.is_none() {
+                    return Ok(Relayed::Failed { kind: FailureKind::Internal, message: format!("the {device} worker answered an embedding without a vector"), replayable: true });
+                }
+                return Ok(Relayed::Done(Finished { finish_reason, prompt_tokens, completion_tokens, prefill_ms, decode_ms, embedding }));
             }
             FromWorker::Failed { kind, message, replayable, checkpoint, .. } => {
                 progress.adopt_checkpoint(checkpoint);

@@ -175,6 +175,7 @@ impl Link {
                 generated_tokens: generated,
                 sampler: SamplerState { params: request.sampling.clone(), rng_word_pos: request.max_tokens.to_string() },
             },
+            embedding: None,
         });
     }
 }
