@@ -79,3 +79,15 @@ def test_a_stream_that_fails_over_mid_answer_finishes(client, sim_server):
     assert pieces[-1].done
     assert failovers(sim_server.url) == before + 1, "the stream moved from the sim GPU to the CPU"
     assert "".join(p.message.content for p in pieces) == "".join(p.message.content for p in healthy)
+
+
+def test_embed_gives_one_vector_per_input(client):
+    out = client.embed(model="kjv-demo", input=["In the beginning", "Blessed are the meek"])
+    assert len(out.embeddings) == 2 and len(out.embeddings[0]) == len(out.embeddings[1]) > 16
+    assert abs(sum(x * x for x in out.embeddings[0]) - 1.0) < 1e-4
+    assert out.embeddings[0] != out.embeddings[1]
+    again = client.embed(model="kjv-demo:latest", input="In the beginning")
+    assert max(abs(a - b) for a, b in zip(again.embeddings[0], out.embeddings[0])) < 1e-3
+    with pytest.raises(ollama.ResponseError) as e:
+        client.embed(model="kjv-demo", input="And it came to pass " * 2000, truncate=False)
+    assert e.value.status_code == 400 and "embeds at most" in e.value.error

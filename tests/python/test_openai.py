@@ -138,3 +138,33 @@ def test_bad_input_is_a_clear_400(client):
         client.chat.completions.create(model="default", messages=MESSAGES, n=3)
     with pytest.raises(openai.NotFoundError, match="not served here"):
         client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
+
+
+def test_embeddings_through_the_official_client(client, sim_server):
+    texts = ["In the beginning God created the heaven and the earth.", "Blessed are the meek", "And the LORD spake unto Moses"]
+    # The client asks for base64 by default and decodes it.
+    raw = client.embeddings.with_raw_response.create(model="default", input=texts)
+    result = raw.parse()
+    assert [d.index for d in result.data] == [0, 1, 2]
+    vectors = [d.embedding for d in result.data]
+    assert len({len(v) for v in vectors}) == 1 and len(vectors[0]) > 16
+    for v in vectors:
+        assert abs(sum(x * x for x in v) - 1.0) < 1e-4, "length 1"
+    assert result.usage.prompt_tokens > 6
+    assert raw.headers["x-headroom-device"] == "sim"
+    floats = client.embeddings.create(model="default", input=texts[0], encoding_format="float").data[0].embedding
+    assert max(abs(a - b) for a, b in zip(floats, vectors[0])) < 1e-6, "float and base64 carry one vector"
+    # The GPU runs out of memory at the first input's allocation: that input moves to the CPU
+    # worker, and the answer says so.
+    httpx.post(sim_server.url + "/admin/sim/fault", json={"fault": "oom_next_allocation"}, timeout=10).raise_for_status()
+    raw = client.embeddings.with_raw_response.create(model="default", input=texts[:1])
+    moved = raw.parse()
+    assert raw.headers["x-headroom-device"] == "cpu"
+    assert raw.headers["x-headroom-degraded"] == "true"
+    assert moved.data[0].model_extra["headroom"]["failovers"][0]["from"] == "sim"
+    # The sim GPU's engine (burn) and the CPU engine agree to rounding.
+    assert max(abs(a - b) for a, b in zip(moved.data[0].embedding, vectors[0])) < 1e-3
+    with pytest.raises(openai.BadRequestError, match="empty"):
+        client.embeddings.create(model="default", input="")
+    with pytest.raises(openai.BadRequestError, match="token ids"):
+        client.embeddings.create(model="default", input=[[1, 2, 3]])

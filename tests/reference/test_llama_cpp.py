@@ -339,3 +339,34 @@ def test_sentencepiece_token_ids_equal_llama_cpp(tmp_path, default_model):
     # The negative control: without SentencePiece's leading space the ids must differ.
     mismatches, _ = tokenizer_mismatches(path, llm, env=defect("no-space-prefix"))
     assert mismatches, "with the space prefix switched off, token ids still matched llama.cpp: the check cannot fail"
+
+
+EMBEDDED = [
+    "The cat sat on the mat.",
+    "A cat is sitting on a rug.",
+    "Stock markets fell sharply on Monday.",
+    "How do I bake bread at home?",
+    "In the beginning God created the heaven and the earth.",
+    "fn main() { println!(\"hello\"); }",
+]
+
+
+def embedding_agreement(model, env=None):
+    """The cosine between Headroom's embedding of each text (`headroom model embed`, what
+    /v1/embeddings serves) and llama.cpp's mean-pooled, normalized embedding on the same file."""
+    stdin = "".join(json.dumps(s) + "\n" for s in EMBEDDED)
+    ours = [np.array(json.loads(line)) for line in headroom("model", "embed", model, stdin=stdin, env=env).stdout.splitlines()]
+    llm = llama_cpp.Llama(model_path=str(model), embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN, n_ctx=512, n_threads=2, verbose=False)
+    theirs = [np.array(llm.embed(s, normalize=True)) for s in EMBEDDED]
+    return [float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)) for a, b in zip(ours, theirs)]
+
+
+def test_embeddings_equal_llama_cpp(default_model):
+    cosines = embedding_agreement(default_model)
+    print(f"\n{default_model.name}: cosine with llama.cpp's mean-pooled embeddings: " + ", ".join(f"{c:.5f}" for c in cosines))
+    assert min(cosines) >= 0.99, f"embeddings differ from llama.cpp's: cosines {cosines}"
+
+
+def test_control_pooling_before_the_final_norm_breaks_embeddings(default_model):
+    cosines = embedding_agreement(default_model, env=defect("embed-before-norm"))
+    assert min(cosines) < 0.99, f"pooled before the final norm, the embeddings still matched llama.cpp ({cosines}): the check cannot fail"

@@ -24,6 +24,13 @@ pub enum ModelCommand {
         #[arg(default_value = "default")]
         model: String,
     },
+    /// Embeddings on the CPU, as `/v1/embeddings` computes them: for each line of stdin (a JSON
+    /// string), the mean of its tokens' hidden states after the final norm, length 1 (a JSON
+    /// array of floats per line).
+    Embed {
+        #[arg(default_value = "default")]
+        model: String,
+    },
     /// Teacher-forced scores on the CPU: for each JSON array of token ids on stdin, the top token
     /// at every position and the negative log-likelihood of the next one (JSON per line).
     Score {
@@ -114,6 +121,19 @@ pub fn run(command: ModelCommand) -> Result<()> {
                 let text: String = serde_json::from_str(&line?).context("each line of stdin must be a JSON string")?;
                 let ids = bundle.encode(&text, true)?;
                 writeln!(out, "{}", serde_json::to_string(&ids)?)?;
+            }
+            Ok(())
+        }
+        ModelCommand::Embed { model } => {
+            let bundle = crate::open_bundle(&model)?;
+            let model = bundle.load_cpu(|_, _| {})?;
+            let mut out = std::io::stdout().lock();
+            for line in std::io::stdin().lock().lines() {
+                let text: String = serde_json::from_str(&line?).context("each line of stdin must be a JSON string")?;
+                let request = headroom_model::GenerateRequest::embedding(bundle.encode(&text, true)?);
+                let session = headroom_model::Session::start(&model, &bundle, &request, &headroom_model::CancelToken::new())?;
+                let vector = session.embedding().context("the embedding did not finish")?;
+                writeln!(out, "{}", serde_json::to_string(&vector)?)?;
             }
             Ok(())
         }

@@ -557,6 +557,100 @@ async fn bad_ollama_input_gets_an_ollama_error_that_says_what_to_fix() {
     api.stop().await;
 }
 
+fn floats(v: &Value) -> Vec<f32> {
+    v.as_array().unwrap_or_else(|| panic!("an array of floats: {v}")).iter().map(|x| x.as_f64().unwrap() as f32).collect()
+}
+
+/// Embeddings in OpenAI's and Ollama's shapes, through the request path: one vector of the
+/// model's width per input, length 1, in input order; the same text gives the same vector in
+/// both shapes, alone or in a list, as floats or base64; different texts give different ones.
+/// Bad input is a 4xx naming what to fix, and nothing is accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embeddings_answer_in_openai_and_ollama_shapes() {
+    let api = api(false, None).await;
+    let width = ModelBundle::open(headroom_model::bundle::resolve_model(headroom_model::bundle::DEMO_MODEL)).unwrap().config.hidden_size;
+    let texts = ["In the beginning God created the heaven and the earth.", "Blessed are the meek", "And the LORD spake unto Moses"];
+    let one = api.call("POST", "/v1/embeddings", &[], Some(json!({"model": "default", "input": texts[0]}).to_string())).await;
+    assert_eq!(one.status, StatusCode::OK, "{}", one.text);
+    assert_eq!(one.header("x-headroom-device"), "cpu");
+    let body = one.json();
+    assert_eq!((body["object"].clone(), body["data"][0]["object"].clone()), (json!("list"), json!("embedding")));
+    assert_eq!(body["model"], "kjv-demo");
+    assert!(body["usage"]["prompt_tokens"].as_u64().is_some_and(|n| n > 3) && body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"], "{body}");
+    assert_eq!(body["data"][0]["headroom"]["device"], "cpu");
+    let alone = floats(&body["data"][0]["embedding"]);
+    assert_eq!(alone.len(), width, "the model's hidden width");
+    let length: f32 = alone.iter().map(|x| x * x).sum::<f32>().sqrt();
+    assert!((length - 1.0).abs() < 1e-4, "length {length}");
+
+    let list = api.call("POST", "/v1/embeddings", &[], Some(json!({"model": "kjv-demo", "input": texts}).to_string())).await.json();
+    let data = list["data"].as_array().unwrap();
+    assert_eq!(data.len(), 3);
+    assert!(data.iter().enumerate().all(|(i, d)| d["index"] == i), "{list}");
+    let vectors: Vec<Vec<f32>> = data.iter().map(|d| floats(&d["embedding"])).collect();
+    assert_eq!(vectors[0], alone, "the same text in a list gives the same vector");
+    let cosine = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
+    assert!(cosine(&vectors[0], &vectors[1]) < 0.999 && cosine(&vectors[1], &vectors[2]) < 0.999, "different texts, different vectors");
+
+    let encoded = api.call("POST", "/v1/embeddings", &[], Some(json!({"model": "default", "input": [texts[0]], "encoding_format": "base64", "dimensions": width}).to_string())).await.json();
+    use base64::Engine as _;
+    let bytes = base64::engine::general_purpose::STANDARD.decode(encoded["data"][0]["embedding"].as_str().expect("base64 is a string")).unwrap();
+    let decoded: Vec<f32> = bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+    assert_eq!(decoded, alone, "base64 holds the same little-endian floats");
+
+    let ollama = api.call("POST", "/api/embed", &[], Some(json!({"model": "kjv-demo:latest", "input": [texts[0], texts[1]]}).to_string())).await;
+    assert_eq!(ollama.status, StatusCode::OK, "{}", ollama.text);
+    let ollama = ollama.json();
+    assert_eq!(ollama["model"], "kjv-demo:latest");
+    assert_eq!(floats(&ollama["embeddings"][0]), alone);
+    assert_eq!(floats(&ollama["embeddings"][1]), vectors[1]);
+    assert!(ollama["total_duration"].as_u64().is_some_and(|ns| ns > 0) && ollama["prompt_eval_count"].as_u64().is_some_and(|n| n > 0), "{ollama}");
+    assert_eq!(ollama["headroom"][0]["device"], "cpu");
+
+    // More inputs than the CPU queue holds (16): they go through a window, in order.
+    let many: Vec<String> = (0..40).map(|i| format!("And the {i}th day")).collect();
+    let reply = api.call("POST", "/v1/embeddings", &[], Some(json!({"model": "default", "input": many}).to_string())).await;
+    assert_eq!(reply.status, StatusCode::OK, "a list longer than the queue: {}", reply.text);
+    let data = reply.json()["data"].as_array().unwrap().clone();
+    assert!(data.len() == 40 && data.iter().enumerate().all(|(i, d)| d["index"] == i), "40 in order");
+
+    let long = "And it came to pass ".repeat(2000);
+    let truncated = api.call("POST", "/api/embed", &[], Some(json!({"model": "kjv-demo", "input": long, "truncate": true}).to_string())).await;
+    assert_eq!(truncated.status, StatusCode::OK, "Ollama's truncate: true, when sent, cuts: {}", truncated.text);
+    let context = api.call("POST", "/api/show", &[], Some(json!({"model": "kjv-demo"}).to_string())).await.json()["model_info"]["llama.context_length"].as_u64().unwrap();
+    for (path, body, status, says) in [
+        ("/v1/embeddings", json!({"model": "default", "input": ""}), StatusCode::BAD_REQUEST, "input[0] is empty"),
+        ("/v1/embeddings", json!({"model": "default", "input": []}), StatusCode::BAD_REQUEST, "empty array"),
+        ("/v1/embeddings", json!({"model": "default", "input": [1, 2, 3]}), StatusCode::BAD_REQUEST, "token ids"),
+        ("/v1/embeddings", json!({"model": "default", "input": [[1, 2], [3]]}), StatusCode::BAD_REQUEST, "token ids"),
+        ("/v1/embeddings", json!({"model": "default", "input": {"text": "hi"}}), StatusCode::BAD_REQUEST, "a string or an array of strings"),
+        ("/v1/embeddings", json!({"model": "default", "input": long}), StatusCode::BAD_REQUEST, &format!("embeds at most {context} tokens")),
+        ("/v1/embeddings", json!({"model": "default", "input": "hi", "encoding_format": "int8"}), StatusCode::BAD_REQUEST, "encoding_format"),
+        ("/v1/embeddings", json!({"model": "default", "input": "hi", "dimensions": 3}), StatusCode::BAD_REQUEST, &format!("have {width}")),
+        ("/v1/embeddings", json!({"model": "text-embedding-3-small", "input": "hi"}), StatusCode::NOT_FOUND, "not served here"),
+        ("/api/embed", json!({"model": "kjv-demo", "input": long}), StatusCode::BAD_REQUEST, "embeds at most"),
+        ("/api/embed", json!({"model": "kjv-demo"}), StatusCode::BAD_REQUEST, "input is required"),
+        ("/api/embed", json!({"model": "nomic-embed-text", "input": "hi"}), StatusCode::NOT_FOUND, "not found"),
+    ] {
+        let r = api.call("POST", path, &[], Some(body.to_string())).await;
+        assert_eq!(r.status, status, "{path} {body}: {}", r.text);
+        let json = r.json();
+        let error = json["error"]["message"].as_str().or(json["error"].as_str()).unwrap_or_else(|| panic!("an error body: {}", r.text)).to_string();
+        assert!(error.contains(says), "{path} {body}: {error}");
+    }
+    let s = api.call("GET", "/v1/status", &[], None).await.json();
+    let busy: u64 = s["queues"].as_array().unwrap().iter().map(|q| q["running"].as_u64().unwrap_or(0) + q["waiting"].as_u64().unwrap_or(0)).sum();
+    assert_eq!(busy, 0, "nothing was accepted: {s}");
+    api.stop().await;
+}
+
+/// Its negative control: with every input of a list submitted at once, a list longer than the
+/// CPU queue is refused.
+#[test]
+fn the_embeddings_list_check_fails_when_every_input_is_submitted_at_once() {
+    headroom_model::assert_control_fails("embeddings_answer_in_openai_and_ollama_shapes", "embed-all-at-once", "a list longer than the queue");
+}
+
 /// An Ollama stream whose GPU runs out of memory mid-answer finishes on the CPU: every line
 /// arrives, the last says done with the failover in its `headroom` object, and the text is the
 /// one the GPU alone gives for the same seed.

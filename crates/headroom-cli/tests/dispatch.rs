@@ -407,9 +407,26 @@ async fn dispatcher_with(config: SupervisorConfig) -> Dispatcher {
 mod flow;
 use flow::{ends, until, Ends};
 
+/// The texts of the embedding requests queued in [`gpu_killed_at_full_load`].
+const EMBEDDED: [&str; 4] = ["In the beginning God created the heaven and the earth.", "And the LORD spake unto Moses", "Blessed are the meek", "And God said, Let there be light"];
+
+/// An embedding request of `text` (`GenerateRequest::embed`), as the embeddings routes submit it.
+fn embedding_submission(id: &str, text: &str) -> Submission {
+    let bundle = ModelBundle::open(model_dir()).unwrap();
+    let request = GenerateRequest::embedding(bundle.encode(text, true).unwrap());
+    Submission {
+        run: RunRequest { request_id: id.into(), request, allow_resume: true },
+        idempotency_key: None,
+        body_hash: format!("embed/{text}"),
+        stream: false,
+        allow: Allowances::default(),
+    }
+}
+
 /// The sim GPU's 4 slots full and 4 more requests queued behind them (half of all of them
-/// streaming), one CPU slot: then the GPU worker is killed with SIGKILL.
-async fn gpu_killed_at_full_load(defect: Option<Defect>) -> (Dispatcher, Ends) {
+/// streaming), then `embeddings` embedding requests of [`EMBEDDED`] queued behind those, one
+/// CPU slot: then the GPU worker is killed with SIGKILL.
+async fn gpu_killed_at_full_load(defect: Option<Defect>, embeddings: usize) -> (Dispatcher, Ends) {
     let mut config = supervisor_config(true);
     config.gpu.as_mut().unwrap().max_concurrency = 4;
     let d = dispatcher_with(config).await;
@@ -418,17 +435,18 @@ async fn gpu_killed_at_full_load(defect: Option<Defect>) -> (Dispatcher, Ends) {
     }
     // Slow enough that all eight are still in flight when the worker dies.
     d.supervisor().inject_fault(Fault::Slowdown { factor: 8.0 }).await.unwrap();
-    let tickets: Vec<Ticket> = (0..8)
+    let mut tickets: Vec<Ticket> = (0..8)
         .map(|i| {
             let mut sub = submission(&format!("full-{i}"), "And the LORD spake unto Moses", 48, None);
             sub.stream = i % 2 == 0;
             d.submit(sub).unwrap()
         })
         .collect();
+    tickets.extend(EMBEDDED.iter().take(embeddings).enumerate().map(|(i, text)| d.submit(embedding_submission(&format!("embed-{i}"), text)).unwrap()));
     let gpu = |d: &Dispatcher| d.queues().into_iter().find(|q| q.device == Lane::Gpu).unwrap();
-    until(20, "4 running and 4 queued on the GPU", || {
+    until(20, "4 running and the rest queued on the GPU", || {
         let q = gpu(&d);
-        q.running == 4 && q.waiting == 4
+        q.running == 4 && q.waiting == 4 + embeddings
     })
     .await;
     let first_running = d.journal().transitions("full-0").unwrap();
@@ -444,7 +462,7 @@ async fn gpu_killed_at_full_load(defect: Option<Defect>) -> (Dispatcher, Ends) {
 /// take turns there, told they wait), the queued ones follow, every failover is journaled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gpu_worker_killed_at_full_load_loses_no_request() {
-    let (d, e) = gpu_killed_at_full_load(None).await;
+    let (d, e) = gpu_killed_at_full_load(None, 0).await;
     assert!(e.lost.is_empty(), "lost after acceptance: {:?}", e.lost);
     assert_eq!(e.completed.len(), 8);
     assert!(e.completed.iter().all(|c| c.outcome.tokens.len() == 48));
@@ -467,9 +485,42 @@ async fn a_gpu_worker_killed_at_full_load_loses_no_request() {
 /// same run loses requests, so the test above can fail.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn negative_control_failover_that_bypasses_the_cpu_queue_loses_requests() {
-    let (d, e) = gpu_killed_at_full_load(Some(Defect::FailoverBypassesCpuQueue)).await;
+    let (d, e) = gpu_killed_at_full_load(Some(Defect::FailoverBypassesCpuQueue), 0).await;
     assert!(!e.lost.is_empty(), "the defect must lose requests");
     assert!(e.lost.iter().any(|l| l.contains("at most 1 requests at once")), "{:?}", e.lost);
+    d.supervisor().shutdown().await;
+}
+
+/// Embeddings queued behind a full GPU when its worker is killed: every one ends with its
+/// vector, the one the CPU engine computes for its text (the sim GPU's burn engine and the CPU
+/// engine agree to rounding), and the generations beside them lose nothing either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embeddings_queued_behind_a_full_gpu_survive_its_kill() {
+    let (d, e) = gpu_killed_at_full_load(None, EMBEDDED.len()).await;
+    assert!(e.lost.is_empty(), "lost after acceptance: {:?}", e.lost);
+    assert_eq!(e.completed.len(), 8 + EMBEDDED.len());
+    let bundle = ModelBundle::open(model_dir()).unwrap();
+    let engine = bundle.load_cpu(|_, _| {}).unwrap();
+    for (i, text) in EMBEDDED.iter().enumerate() {
+        let c = e.completed.iter().find(|c| c.outcome.request_id == format!("embed-{i}")).unwrap();
+        let request = GenerateRequest::embedding(bundle.encode(text, true).unwrap());
+        let want = headroom_model::Session::start(&engine, &bundle, &request, &headroom_model::CancelToken::new()).unwrap().embedding().unwrap();
+        let got = c.outcome.embedding.as_ref().expect("an embedding's completion holds its vector");
+        let off = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(off < 1e-3, "embed-{i} on {}: off the CPU engine's vector by {off}", c.outcome.device);
+        assert!(c.outcome.tokens.is_empty() && c.outcome.completion_tokens == 0);
+        eprintln!("embed-{i}: {} after {} failovers, off by {off}", c.outcome.device, c.outcome.failovers.len());
+    }
+    assert!(e.completed.iter().filter(|c| c.outcome.request_id.starts_with("full-")).all(|c| c.outcome.tokens.len() == 48));
+    d.supervisor().shutdown().await;
+}
+
+/// Its negative control: with failover going straight to the busy CPU worker, embeddings are
+/// lost too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_embeddings_are_lost_when_failover_bypasses_the_cpu_queue() {
+    let (d, e) = gpu_killed_at_full_load(Some(Defect::FailoverBypassesCpuQueue), EMBEDDED.len()).await;
+    assert!(!e.lost.is_empty(), "the defect must lose requests");
     d.supervisor().shutdown().await;
 }
 

@@ -2,6 +2,7 @@
 //! request and event endpoints, Prometheus metrics, the generated OpenAPI spec and the static
 //! web UI. It holds no policy: every decision is the router's.
 
+pub mod embeddings;
 pub mod error;
 pub mod ollama;
 pub mod openai;

@@ -39,6 +39,7 @@ pub fn routes() -> axum::Router<Arc<AppState>> {
         .route("/api/show", post(show))
         .route("/api/chat", post(chat))
         .route("/api/generate", post(generate))
+        .route("/api/embed", post(embed))
 }
 
 /// An [`ApiError`] in Ollama's shape: `{"error": message}`, same status and headers.
@@ -414,6 +415,46 @@ pub(crate) async fn generate(State(state): Shared, headers: HeaderMap, body: std
         openai::prepare_chat(&state.bundle, &state.model_id, &limits, &body)?
     };
     answer(state, &headers, &raw, prepared, Shape::Generate, started).await
+}
+
+#[derive(Debug, Deserialize)]
+struct EmbedBody {
+    model: String,
+    input: Option<Value>,
+    truncate: Option<bool>,
+    options: Option<Value>,
+    #[allow(dead_code)]
+    keep_alive: Option<Value>,
+}
+
+#[utoipa::path(post, path = "/api/embed", tag = "ollama", description = "Ollama's embeddings: `input` a string or an array of strings, one vector each (length 1), through the same path as /v1/embeddings. An input longer than the model takes is a 400 naming the limit, unless the client sends `truncate: true`; `options.num_ctx` lowers that limit.",
+    request_body(content = Object, description = "Ollama's embed request"),
+    responses((status = 200, description = "`{\"model\", \"embeddings\": [[...]], \"total_duration\", \"load_duration\", \"prompt_eval_count\", \"headroom\"}`"), (status = 400, description = "Invalid request: `{\"error\": ...}`"), (status = 404, description = "Not the served model"), (status = 503, description = "No capacity now: see Retry-After")))]
+pub(crate) async fn embed(State(state): Shared, headers: HeaderMap, body: std::result::Result<Bytes, BytesRejection>) -> Result<Response> {
+    let started = Instant::now();
+    let (request, raw): (EmbedBody, Bytes) = parse_body(body)?;
+    check_model(&state, &request.model)?;
+    let Some(input) = request.input.as_ref() else {
+        return Err(ApiError::invalid("input", "input is required: a string or an array of strings").into());
+    };
+    let texts = crate::embeddings::texts(input, "input")?;
+    let mut unused = Map::new();
+    let limits = translate_options(request.options, &state.limits_now(), false, &mut unused)?;
+    let ask = crate::embeddings::Ask { field: "input", texts, truncate: request.truncate == Some(true), options: Default::default() };
+    let done = crate::embeddings::embed_within(&state, &headers, &raw, ask, limits.context_tokens).await?;
+    let embeddings: Vec<&[f32]> = done.iter().map(crate::embeddings::vector).collect();
+    let placement = done.iter().find(|c| c.outcome.degraded).unwrap_or(&done[0]).placement();
+    let headroom: Vec<HeadroomInfo> = done.iter().map(HeadroomInfo::of).collect();
+    let body = json!({
+        "model": model_name(&state),
+        "embeddings": embeddings,
+        "total_duration": started.elapsed().as_nanos() as u64,
+        // The model is loaded when the server starts, not per request.
+        "load_duration": 0,
+        "prompt_eval_count": done.iter().map(|c| c.outcome.prompt_tokens).sum::<u32>(),
+        "headroom": headroom,
+    });
+    Ok(with_placement(Json(body).into_response(), &placement))
 }
 
 /// Submits the request and writes its answer: one object, or an NDJSON stream whose last

@@ -142,7 +142,7 @@ pub struct Limits {
 
 const MAX_STOP_SEQUENCES: usize = 4;
 
-fn check_model(requested: &str, served: &str) -> Result<(), ApiError> {
+pub(crate) fn check_model(requested: &str, served: &str) -> Result<(), ApiError> {
     if requested == served || requested == "default" {
         return Ok(());
     }

@@ -24,6 +24,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::{BroadcastStream, ReceiverStream};
 use utoipa::{OpenApi, ToSchema};
 
+use crate::embeddings::{self, EmbeddingItem, EmbeddingList, EmbeddingRequest, EmbeddingUsage};
 use crate::error::{ApiError, ErrorBody};
 use crate::openai::{self, ChatCompletion, ChatCompletionRequest, CompletionRequest, HeadroomInfo, ModelList, Prepared, TextCompletion, Usage};
 use crate::AppState;
@@ -54,8 +55,8 @@ fn now_unix() -> u64 {
 #[openapi(
     info(title = "Headroom", description = "OpenAI-compatible local LLM service that survives running out of VRAM"),
     paths(
-        chat_completions, completions, models, request_status, cancel_request, status, settings, update_settings, events, healthz, readyz, metrics,
-        crate::ollama::chat, crate::ollama::generate, crate::ollama::tags, crate::ollama::show, crate::ollama::ps, crate::ollama::version
+        chat_completions, completions, embeddings, models, request_status, cancel_request, status, settings, update_settings, events, healthz, readyz, metrics,
+        crate::ollama::chat, crate::ollama::generate, crate::ollama::embed, crate::ollama::tags, crate::ollama::show, crate::ollama::ps, crate::ollama::version
     ),
     components(schemas(ErrorBody, StatusBody, ReadyBody, CancelBody, SettingsBody))
 )]
@@ -65,6 +66,7 @@ pub fn router(state: Arc<AppState>, ui_dir: Option<std::path::PathBuf>) -> axum:
     let mut r = axum::Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/embeddings", post(embeddings))
         .route("/v1/models", get(models))
         .route("/v1/requests/{id}", get(request_status))
         .route("/v1/requests/{id}/cancel", post(cancel_request))
@@ -214,6 +216,40 @@ async fn completions(State(state): Shared, headers: HeaderMap, body: Result<Byte
     let (request, raw): (CompletionRequest, Bytes) = parse_body(body)?;
     let prepared = openai::prepare_completion(&state.bundle, &state.model_id, &state.limits_now(), &request)?;
     serve(state, &headers, &raw, prepared, Kind::Text).await
+}
+
+#[utoipa::path(
+    post, path = "/v1/embeddings", request_body = EmbeddingRequest,
+    description = "OpenAI embeddings: one vector per input string (the served model's hidden states after the final norm, mean-pooled, length 1). Each input is a request like a chat: journaled, admitted, batched, failed over to the CPU worker; each item's `headroom` says where it ran.",
+    responses(
+        (status = 200, description = "The embeddings, in input order", body = EmbeddingList),
+        (status = 400, description = "Invalid request (empty input, token ids, too long)", body = ErrorBody),
+        (status = 404, description = "Unknown model", body = ErrorBody),
+        (status = 503, description = "No capacity now", body = ErrorBody),
+    )
+)]
+async fn embeddings(State(state): Shared, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let (request, raw): (EmbeddingRequest, Bytes) = parse_body(body)?;
+    openai::check_model(&request.model, &state.model_id)?;
+    let base64 = embeddings::check_openai(&request, state.bundle.config.hidden_size)?;
+    let texts = embeddings::texts(&request.input, "input")?;
+    let ask = embeddings::Ask { field: "input", texts, truncate: false, options: request.headroom.clone().unwrap_or_default() };
+    let done = embeddings::embed(&state, &headers, &raw, ask).await?;
+    let data = done
+        .iter()
+        .enumerate()
+        .map(|(index, c)| EmbeddingItem {
+            object: "embedding".into(),
+            index: index as u32,
+            embedding: if base64 { json!(embeddings::base64_floats(embeddings::vector(c))) } else { json!(embeddings::vector(c)) },
+            headroom: HeadroomInfo::of(c),
+        })
+        .collect();
+    let prompt_tokens = done.iter().map(|c| c.outcome.prompt_tokens).sum();
+    // The headers tell the worst: a degraded input if there is one.
+    let placement = done.iter().find(|c| c.outcome.degraded).unwrap_or(&done[0]).placement();
+    let list = EmbeddingList { object: "list".into(), data, model: state.model_id.clone(), usage: EmbeddingUsage { prompt_tokens, total_tokens: prompt_tokens } };
+    Ok(with_placement(Json(list).into_response(), &placement))
 }
 
 #[derive(Clone, Copy, PartialEq)]
