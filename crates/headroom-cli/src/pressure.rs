@@ -353,6 +353,7 @@ fn shrink_competitor(bundle: &ModelBundle, split: &Sizing, gpu_layers: u32) -> R
 #[derive(Clone)]
 struct Shot {
     scenario: &'static str,
+    /// `short`, `long` (chats), or `embedding` (`/v1/embeddings` of one verse).
     class: &'static str,
     fault: &'static str,
     stream: bool,
@@ -443,7 +444,8 @@ async fn send(server: &Server, clock: &Clock, shot: Shot, started: Option<tokio:
         ..Default::default()
     };
     let t0 = Instant::now();
-    let mut req = server.http.post(format!("{}/v1/chat/completions", server.base)).json(&shot.body);
+    let path = if shot.class == "embedding" { "/v1/embeddings" } else { "/v1/chat/completions" };
+    let mut req = server.http.post(format!("{}{path}", server.base)).json(&shot.body);
     if let Some(k) = &shot.idempotency_key {
         req = req.header("Idempotency-Key", k);
     }
@@ -467,7 +469,9 @@ async fn send(server: &Server, clock: &Clock, shot: Shot, started: Option<tokio:
         record.accepted = true;
         if !shot.stream {
             let body: Value = response.json().await?;
-            let h = &body["headroom"];
+            // An embedding's `headroom` object rides on its item.
+            let embedding = &body["data"][0];
+            let h = if shot.class == "embedding" { &embedding["headroom"] } else { &body["headroom"] };
             record.request_id = h["request_id"].as_str().map(str::to_string).or(record.request_id.take());
             record.device = h["device"].as_str().map(str::to_string);
             record.degraded = h["degraded"] == true;
@@ -475,6 +479,10 @@ async fn send(server: &Server, clock: &Clock, shot: Shot, started: Option<tokio:
             record.degraded_marked = header_degraded && record.degraded && h["degraded_summary"].as_str().is_some_and(|s| !s.is_empty());
             record.failovers = h["failovers"].as_array().map(Vec::len).unwrap_or(0);
             record.queued_ms = h["queued_ms"].as_f64();
+            if shot.class == "embedding" {
+                record.completed = embedding["embedding"].as_array().is_some_and(|v| !v.is_empty() && v.iter().all(Value::is_f64));
+                return Ok(());
+            }
             record.text = body["choices"][0]["message"]["content"].as_str().unwrap_or_default().to_string();
             record.completed = body["choices"][0]["finish_reason"].is_string();
             return Ok(());
@@ -857,6 +865,8 @@ pub struct Equivalence {
 
 fn equivalence(records: &[Record]) -> Equivalence {
     let mut reference: BTreeMap<&str, &str> = BTreeMap::new();
+    // Texts only: an embedding's vector agrees across engines to rounding, not bit for bit.
+    let records: Vec<&Record> = records.iter().filter(|r| r.class != "embedding").collect();
     for r in records.iter().filter(|r| r.completed && !r.intended_cancel && r.failovers == 0 && r.device.as_deref().is_some_and(|d| d != "cpu")) {
         reference.entry(&r.prompt_key).or_insert(&r.text);
     }
@@ -1026,6 +1036,14 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
         disconnect_after_chunks: None,
         client_timeout: None,
     };
+    // An embedding of one verse; its vector is not compared across devices here (the engines
+    // agree to rounding, not bit for bit: `tests/dispatch.rs` checks them), its fate is.
+    let embedding = |scenario: &'static str, fault: &'static str, i: usize| Shot {
+        class: "embedding",
+        prompt_key: format!("embedding-{}", i % VERSES.len()),
+        body: json!({"model": model, "input": VERSES[i % VERSES.len()], "encoding_format": "float"}),
+        ..short(scenario, fault, i, false)
+    };
     let long = |scenario: &'static str, fault: &'static str, i: usize, stream: bool| Shot {
         class: "long",
         prompt_key: format!("long-{}", i % long_prompts.len()),
@@ -1068,7 +1086,11 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
                     // the fault lands.
                     server.fault(json!({"fault": "slowdown", "factor": 40.0})).await?;
                 }
-                let burst: Vec<Shot> = (0..scale.full_load).map(|i| short(scenario, fault, i, stream)).collect();
+                let mut burst: Vec<Shot> = (0..scale.full_load).map(|i| short(scenario, fault, i, stream)).collect();
+                if !stream {
+                    // Embeddings queued among the chats meet the fault too.
+                    burst.extend((0..scale.full_load.div_ceil(4)).map(|i| embedding(scenario, fault, i)));
+                }
                 let target = &server;
                 let fire = move || async move {
                     match fault {
@@ -1201,7 +1223,11 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
             for &(scenario, fault) in &[("split_oom_mid_generation", "oom_mid_generation"), ("split_driver_reset", "kill_9_gpu_worker")] {
                 split_server.wait_gpu_restored(&clock, Duration::from_secs(60)).await?;
                 split_server.fault(json!({"fault": "slowdown", "factor": 40.0})).await?;
-                let burst: Vec<Shot> = (0..scale.full_load).map(|i| short(scenario, fault, i, stream)).collect();
+                let mut burst: Vec<Shot> = (0..scale.full_load).map(|i| short(scenario, fault, i, stream)).collect();
+                if !stream {
+                    // Embeddings queued among the chats meet the fault too.
+                    burst.extend((0..scale.full_load.div_ceil(4)).map(|i| embedding(scenario, fault, i)));
+                }
                 let target = &split_server;
                 let fire = move || async move {
                     match fault {
