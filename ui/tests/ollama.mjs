@@ -88,6 +88,15 @@ try {
     await assert.rejects(ollama.chat({ model: "llama3.2", messages: [{ role: "user", content: "hi" }] }), (e) => e.name === "ResponseError" && e.status_code === 404 && /kjv-demo/.test(e.error));
   });
 
+  await check("embed gives one vector of length 1 per input, the same one the older embeddings route gives", async () => {
+    const { embeddings } = await ollama.embed({ model: "kjv-demo", input: ["In the beginning", "Blessed are the meek"] });
+    assert.equal(embeddings.length, 2);
+    assert.ok(embeddings[0].length > 16 && embeddings[0].length === embeddings[1].length);
+    assert.ok(Math.abs(embeddings[0].reduce((s, x) => s + x * x, 0) - 1) < 1e-4);
+    const { embedding } = await ollama.embeddings({ model: "kjv-demo", prompt: "In the beginning" });
+    assert.ok(embedding.every((x, i) => Math.abs(x - embeddings[0][i]) < 1e-3));
+  });
+
   await check("streaming chats that lose the GPU worker at full load all finish with their own tokens", () => failoverAtFullLoad(served));
 } finally {
   served.stop();

@@ -606,6 +606,8 @@ async fn embeddings_answer_in_openai_and_ollama_shapes() {
     assert_eq!(floats(&ollama["embeddings"][1]), vectors[1]);
     assert!(ollama["total_duration"].as_u64().is_some_and(|ns| ns > 0) && ollama["prompt_eval_count"].as_u64().is_some_and(|n| n > 0), "{ollama}");
     assert_eq!(ollama["headroom"][0]["device"], "cpu");
+    let older = api.call("POST", "/api/embeddings", &[], Some(json!({"model": "kjv-demo", "prompt": texts[0]}).to_string())).await.json();
+    assert_eq!(floats(&older["embedding"]), alone, "Ollama's older route: {older}");
 
     // More inputs than the CPU queue holds (16): they go through a window, in order.
     let many: Vec<String> = (0..40).map(|i| format!("And the {i}th day")).collect();
@@ -619,7 +621,8 @@ async fn embeddings_answer_in_openai_and_ollama_shapes() {
     assert_eq!(truncated.status, StatusCode::OK, "Ollama's truncate: true, when sent, cuts: {}", truncated.text);
     let context = api.call("POST", "/api/show", &[], Some(json!({"model": "kjv-demo"}).to_string())).await.json()["model_info"]["llama.context_length"].as_u64().unwrap();
     for (path, body, status, says) in [
-        ("/v1/embeddings", json!({"model": "default", "input": ""}), StatusCode::BAD_REQUEST, "input[0] is empty"),
+        ("/v1/embeddings", json!({"model": "default", "input": ""}), StatusCode::BAD_REQUEST, "input is empty"),
+        ("/v1/embeddings", json!({"model": "default", "input": ["hi", " "]}), StatusCode::BAD_REQUEST, "input[1] is empty"),
         ("/v1/embeddings", json!({"model": "default", "input": []}), StatusCode::BAD_REQUEST, "empty array"),
         ("/v1/embeddings", json!({"model": "default", "input": [1, 2, 3]}), StatusCode::BAD_REQUEST, "token ids"),
         ("/v1/embeddings", json!({"model": "default", "input": [[1, 2], [3]]}), StatusCode::BAD_REQUEST, "token ids"),
@@ -631,6 +634,8 @@ async fn embeddings_answer_in_openai_and_ollama_shapes() {
         ("/api/embed", json!({"model": "kjv-demo", "input": long}), StatusCode::BAD_REQUEST, "embeds at most"),
         ("/api/embed", json!({"model": "kjv-demo"}), StatusCode::BAD_REQUEST, "input is required"),
         ("/api/embed", json!({"model": "nomic-embed-text", "input": "hi"}), StatusCode::NOT_FOUND, "not found"),
+        ("/api/embeddings", json!({"model": "kjv-demo", "prompt": ""}), StatusCode::BAD_REQUEST, "prompt is empty"),
+        ("/api/embeddings", json!({"model": "kjv-demo"}), StatusCode::BAD_REQUEST, "prompt is required"),
     ] {
         let r = api.call("POST", path, &[], Some(body.to_string())).await;
         assert_eq!(r.status, status, "{path} {body}: {}", r.text);

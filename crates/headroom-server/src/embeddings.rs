@@ -104,7 +104,8 @@ pub(crate) fn texts(input: &Value, field: &'static str) -> Result<Vec<String>, A
         return Err(ApiError::invalid(field, format!("{} inputs: at most {MAX_INPUTS} per request; send the rest in another", texts.len())));
     }
     if let Some(i) = texts.iter().position(|t| t.trim().is_empty()) {
-        return Err(ApiError::invalid(field, format!("{field}[{i}] is empty: every input needs some text to embed")));
+        let which = if input.is_string() { field.to_string() } else { format!("{field}[{i}]") };
+        return Err(ApiError::invalid(field, format!("{which} is empty: every input needs some text to embed")));
     }
     Ok(texts)
 }

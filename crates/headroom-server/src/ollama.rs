@@ -40,6 +40,7 @@ pub fn routes() -> axum::Router<Arc<AppState>> {
         .route("/api/chat", post(chat))
         .route("/api/generate", post(generate))
         .route("/api/embed", post(embed))
+        .route("/api/embeddings", post(embeddings))
 }
 
 /// An [`ApiError`] in Ollama's shape: `{"error": message}`, same status and headers.
@@ -455,6 +456,33 @@ pub(crate) async fn embed(State(state): Shared, headers: HeaderMap, body: std::r
         "headroom": headroom,
     });
     Ok(with_placement(Json(body).into_response(), &placement))
+}
+
+#[derive(Debug, Deserialize)]
+struct EmbeddingsBody {
+    model: String,
+    prompt: Option<String>,
+    options: Option<Value>,
+    #[allow(dead_code)]
+    keep_alive: Option<Value>,
+}
+
+#[utoipa::path(post, path = "/api/embeddings", tag = "ollama", description = "Ollama's older embeddings route, still used by many integrations: one `prompt`, answered `{\"embedding\": [...]}` through the same path as /api/embed (the vector has length 1 here too).",
+    request_body(content = Object, description = "`{\"model\", \"prompt\"}`"),
+    responses((status = 200, description = "`{\"embedding\": [...]}`"), (status = 400, description = "Invalid request: `{\"error\": ...}`"), (status = 404, description = "Not the served model"), (status = 503, description = "No capacity now: see Retry-After")))]
+pub(crate) async fn embeddings(State(state): Shared, headers: HeaderMap, body: std::result::Result<Bytes, BytesRejection>) -> Result<Response> {
+    let (request, raw): (EmbeddingsBody, Bytes) = parse_body(body)?;
+    check_model(&state, &request.model)?;
+    let Some(prompt) = request.prompt else {
+        return Err(ApiError::invalid("prompt", "prompt is required: the text to embed").into());
+    };
+    let texts = crate::embeddings::texts(&Value::String(prompt), "prompt")?;
+    let mut unused = Map::new();
+    let limits = translate_options(request.options, &state.limits_now(), false, &mut unused)?;
+    let ask = crate::embeddings::Ask { field: "prompt", texts, truncate: false, options: Default::default() };
+    let done = crate::embeddings::embed_within(&state, &headers, &raw, ask, limits.context_tokens).await?;
+    let body = json!({"embedding": crate::embeddings::vector(&done[0]), "headroom": HeadroomInfo::of(&done[0])});
+    Ok(with_placement(Json(body).into_response(), &done[0].placement()))
 }
 
 /// Submits the request and writes its answer: one object, or an NDJSON stream whose last

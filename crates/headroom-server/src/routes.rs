@@ -56,7 +56,7 @@ fn now_unix() -> u64 {
     info(title = "Headroom", description = "OpenAI-compatible local LLM service that survives running out of VRAM"),
     paths(
         chat_completions, completions, embeddings, models, request_status, cancel_request, status, settings, update_settings, events, healthz, readyz, metrics,
-        crate::ollama::chat, crate::ollama::generate, crate::ollama::embed, crate::ollama::tags, crate::ollama::show, crate::ollama::ps, crate::ollama::version
+        crate::ollama::chat, crate::ollama::generate, crate::ollama::embed, crate::ollama::embeddings, crate::ollama::tags, crate::ollama::show, crate::ollama::ps, crate::ollama::version
     ),
     components(schemas(ErrorBody, StatusBody, ReadyBody, CancelBody, SettingsBody))
 )]
