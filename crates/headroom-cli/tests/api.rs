@@ -606,6 +606,12 @@ async fn embeddings_answer_in_openai_and_ollama_shapes() {
     assert_eq!(floats(&ollama["embeddings"][1]), vectors[1]);
     assert!(ollama["total_duration"].as_u64().is_some_and(|ns| ns > 0) && ollama["prompt_eval_count"].as_u64().is_some_and(|n| n > 0), "{ollama}");
     assert_eq!(ollama["headroom"][0]["device"], "cpu");
+    // A retry with the same Idempotency-Key gets the journal's vectors; nothing runs again.
+    let keyed = || api.call("POST", "/v1/embeddings", &[("idempotency-key", "embed-retry")], Some(json!({"model": "default", "input": [texts[0], texts[2]]}).to_string()));
+    let (first, again) = (keyed().await.json(), keyed().await.json());
+    assert!(first["data"].as_array().unwrap().iter().all(|d| d["headroom"]["from_journal"] == false), "{first}");
+    assert!(again["data"].as_array().unwrap().iter().all(|d| d["headroom"]["from_journal"] == true), "the retry is answered from the journal: {again}");
+    assert_eq!(floats(&again["data"][1]["embedding"]), vectors[2]);
     let older = api.call("POST", "/api/embeddings", &[], Some(json!({"model": "kjv-demo", "prompt": texts[0]}).to_string())).await.json();
     assert_eq!(floats(&older["embedding"]), alone, "Ollama's older route: {older}");
 
