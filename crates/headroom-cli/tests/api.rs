@@ -639,6 +639,7 @@ async fn embeddings_answer_in_openai_and_ollama_shapes() {
         ("/v1/embeddings", json!({"model": "text-embedding-3-small", "input": "hi"}), StatusCode::NOT_FOUND, "not served here"),
         ("/api/embed", json!({"model": "kjv-demo", "input": long}), StatusCode::BAD_REQUEST, "embeds at most"),
         ("/api/embed", json!({"model": "kjv-demo"}), StatusCode::BAD_REQUEST, "input is required"),
+        ("/api/embed", json!({"model": "kjv-demo", "input": "hi", "dimensions": 7}), StatusCode::BAD_REQUEST, &format!("have {width}")),
         ("/api/embed", json!({"model": "nomic-embed-text", "input": "hi"}), StatusCode::NOT_FOUND, "not found"),
         ("/api/embeddings", json!({"model": "kjv-demo", "prompt": ""}), StatusCode::BAD_REQUEST, "prompt is empty"),
         ("/api/embeddings", json!({"model": "kjv-demo"}), StatusCode::BAD_REQUEST, "prompt is required"),

@@ -423,6 +423,7 @@ struct EmbedBody {
     model: String,
     input: Option<Value>,
     truncate: Option<bool>,
+    dimensions: Option<u32>,
     options: Option<Value>,
     #[allow(dead_code)]
     keep_alive: Option<Value>,
@@ -439,6 +440,10 @@ pub(crate) async fn embed(State(state): Shared, headers: HeaderMap, body: std::r
         return Err(ApiError::invalid("input", "input is required: a string or an array of strings").into());
     };
     let texts = crate::embeddings::texts(input, "input")?;
+    let width = state.bundle.config.hidden_size;
+    if request.dimensions.is_some_and(|d| d as usize != width) {
+        return Err(ApiError::invalid("dimensions", format!("dimensions = {}: this model's embeddings have {width}; leave dimensions out or send {width}", request.dimensions.unwrap_or_default())).into());
+    }
     let mut unused = Map::new();
     let limits = translate_options(request.options, &state.limits_now(), false, &mut unused)?;
     let ask = crate::embeddings::Ask { field: "input", texts, truncate: request.truncate == Some(true), options: Default::default() };
