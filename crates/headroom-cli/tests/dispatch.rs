@@ -600,6 +600,55 @@ async fn fail_over_to_another_tokenizer(worker_env: Vec<(String, String)>) -> (R
     (result, own, fallback.name())
 }
 
+/// A dispatcher whose CPU worker holds a fallback model of 128 tokens of context with a
+/// byte-sized vocabulary, and a chat whose messages that model counts past its context while
+/// the served model counts them well within it.
+async fn fallback_and_a_chat_it_counts_longer(defect: Option<Defect>) -> (Dispatcher, Submission, tempfile::TempDir) {
+    let folder = tempfile::tempdir().unwrap();
+    let fallback_dir = folder.path().to_path_buf();
+    headroom_model::fixture::write_random_folder(&fallback_dir, &headroom_model::fixture::tiny_config(), 11, headroom_model::StoreDtype::F32).unwrap();
+    let mut config = supervisor_config(true);
+    config.cpu_fallback_model_dir = Some(fallback_dir.clone());
+    let d = dispatcher_with(config).await;
+    if let Some(defect) = defect {
+        d.reintroduce_defect_for_test(defect);
+    }
+    let served = ModelBundle::open(model_dir()).unwrap();
+    let fallback = ModelBundle::open(&fallback_dir).unwrap();
+    let text = "And God said, Let there be light: and there was light. And God saw the light, that it was good: and God divided the light from the darkness.";
+    let messages = vec![headroom_model::ChatMessage { role: "user".into(), content: text.into(), tool_calls: None, tool_call_id: None, name: None }];
+    let (theirs, ours) = (fallback.chat_prompt(&messages, None).unwrap().len(), served.chat_prompt(&messages, None).unwrap().len());
+    let context = fallback.config.max_position_embeddings;
+    assert!(ours + 8 <= context && theirs + 8 > context, "the fixture: served {ours}, fallback {theirs} tokens, context {context}");
+    (d, chat_submission("counted-long", &served, &messages, 8), folder)
+}
+
+/// Admission counts a prompt as the fallback model will: one it counts past its context is
+/// refused before it is accepted, naming the fallback, instead of accepted and then failed by
+/// the fallback's worker when the GPU cannot take it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_the_fallback_counts_past_its_context_is_refused_up_front() {
+    let (d, sub, _folder) = fallback_and_a_chat_it_counts_longer(None).await;
+    match d.submit(sub) {
+        Err(SubmitError::Invalid(m)) => assert!(m.contains("as the fallback model counts it") && m.contains("allow_cpu"), "{m}"),
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("accepted a prompt the fallback model cannot hold"),
+    }
+    assert!(matches!(d.journal().get("counted-long"), Err(headroom_router::JournalError::NotFound(_))), "refused before it was accepted");
+    d.supervisor().shutdown().await;
+}
+
+/// Its negative control: counted with the served model's tokens, the request is accepted, and
+/// when the GPU runs out of memory the fallback worker refuses it: lost after acceptance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_counting_the_served_tokens_loses_the_request() {
+    let (d, sub, _folder) = fallback_and_a_chat_it_counts_longer(Some(Defect::FallbackCountedAsServed)).await;
+    d.supervisor().inject_fault(Fault::OomNextAllocation).await.unwrap();
+    let ended = d.submit(sub).expect("accepted with the defect").finish().await;
+    assert!(ended.is_err(), "the fallback worker should have refused it: {ended:?}");
+    d.supervisor().shutdown().await;
+}
+
 /// A fallback model is a different model: its worker renders and tokenizes the client's
 /// messages with its own bundle, the failover is a replay, and the response names it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

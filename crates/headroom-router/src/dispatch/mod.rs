@@ -86,6 +86,9 @@ pub enum Defect {
     FailoverBypassesCpuQueue,
     /// Admission does not check the CPU worker's context limit.
     NoCpuLaneCheck,
+    /// Admission counts a prompt with the served model's tokens even when the CPU worker holds
+    /// a fallback model, whose own tokenizer may make more of it.
+    FallbackCountedAsServed,
     /// Journal write errors are dropped.
     IgnoreJournalErrors,
     /// A split GPU worker is charged each request's KV cache for the whole model, not for the

@@ -77,12 +77,18 @@ impl Dispatcher {
     pub(super) fn check_lanes(&self, sub: &Submission) -> Result<(), SubmitError> {
         let s = &self.inner.supervisor;
         let request = &sub.run.request;
-        let needed = request.prompt_tokens.len() + request.max_tokens;
         let gpu = s.config().gpu.is_some();
         // A client that opted out of the CPU runs on the GPU only, without failover.
         if (gpu && !sub.allow.cpu) || self.has_defect(Defect::NoCpuLaneCheck) {
             return Ok(());
         }
+        // A fallback model renders and tokenizes the client's prompt itself: count what it will.
+        let own = match s.fallback_bundle().filter(|_| !self.has_defect(Defect::FallbackCountedAsServed)) {
+            Some(fallback) => fallback.own_request(request).map_err(|e| SubmitError::Invalid(format!("the CPU worker's fallback model, where this request would continue if the GPU failed, cannot read its prompt ({e}); send \"headroom\": {{\"allow_cpu\": false}} to run it on the GPU only, without failover")))?,
+            None => None,
+        };
+        let prompt = own.as_ref().map_or(request.prompt_tokens.len(), |own| own.prompt_tokens.len());
+        let needed = prompt + request.max_tokens;
         let setup = s.cpu_setup();
         let worker = s.cpu_worker();
         let Some(context) = worker.as_ref().map(|w| w.ready.context_tokens as usize).or(setup.options.max_context_tokens.map(|c| c as usize)) else {
@@ -95,14 +101,14 @@ impl Dispatcher {
             (Some(_), Some(w)) => format!("the CPU worker's context limit of {context} tokens (its fallback model {}, and the setting cpu_max_context_tokens)", w.ready.model_name),
             _ => format!("the CPU worker's context limit of {context} tokens (the setting cpu_max_context_tokens)"),
         };
-        let prompt = request.prompt_tokens.len();
         let max_tokens = request.max_tokens;
+        let prompt = if own.is_some() { format!("{prompt} tokens as the fallback model counts it") } else { format!("{prompt} tokens") };
         Err(SubmitError::Invalid(if gpu {
             format!(
-                "the prompt ({prompt} tokens) plus max_tokens ({max_tokens}) needs {needed} tokens, more than {limit}, where this request would continue if the GPU failed; lower max_tokens or shorten the prompt, or send \"headroom\": {{\"allow_cpu\": false}} to run it on the GPU only, without failover"
+                "the prompt ({prompt}) plus max_tokens ({max_tokens}) needs {needed} tokens, more than {limit}, where this request would continue if the GPU failed; lower max_tokens or shorten the prompt, or send \"headroom\": {{\"allow_cpu\": false}} to run it on the GPU only, without failover"
             )
         } else {
-            format!("the prompt ({prompt} tokens) plus max_tokens ({max_tokens}) needs {needed} tokens, more than {limit}; lower max_tokens or shorten the prompt, or raise cpu_max_context_tokens in Settings")
+            format!("the prompt ({prompt}) plus max_tokens ({max_tokens}) needs {needed} tokens, more than {limit}; lower max_tokens or shorten the prompt, or raise cpu_max_context_tokens in Settings")
         }))
     }
 

@@ -181,6 +181,8 @@ struct Inner {
     gpu_paused: tokio::sync::watch::Sender<bool>,
     /// The layer placement the GPU worker was last launched with (or waits for).
     placement: RwLock<Option<headroom_memory::SplitPlan>>,
+    /// The fallback model's bundle, opened once per folder (see [`Supervisor::fallback_bundle`]).
+    fallback_bundle: Mutex<Option<(PathBuf, Arc<headroom_model::ModelBundle>)>>,
 }
 
 #[derive(Clone)]
@@ -247,6 +249,7 @@ impl Supervisor {
             replacing_cpu: tokio::sync::Mutex::new(()),
             gpu_paused: tokio::sync::watch::channel(config.gpu_paused).0,
             placement: RwLock::new(config.placement.clone()),
+            fallback_bundle: Mutex::new(None),
             config,
             gpu: RwLock::new(None),
             cpu: RwLock::new(None),
@@ -335,6 +338,20 @@ impl Supervisor {
             tokio::spawn(retire_when_idle(old));
         }
         Ok(())
+    }
+
+    /// The CPU worker's fallback model, when it holds one: its tokenizer and chat template, to
+    /// count a request's prompt as that worker will. Opened once per folder; `None` also when it
+    /// cannot be opened (the worker that loaded it said why).
+    pub fn fallback_bundle(&self) -> Option<Arc<headroom_model::ModelBundle>> {
+        let dir = self.cpu_setup().fallback_model_dir?;
+        let mut cached = self.inner.fallback_bundle.lock().unwrap();
+        if let Some((_, bundle)) = cached.as_ref().filter(|(opened, _)| *opened == dir) {
+            return Some(bundle.clone());
+        }
+        let bundle = Arc::new(headroom_model::ModelBundle::open(&dir).ok()?);
+        *cached = Some((dir, bundle.clone()));
+        Some(bundle)
     }
 
     /// Whether the GPU is paused from settings.
