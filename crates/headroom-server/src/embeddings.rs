@@ -118,17 +118,15 @@ pub(crate) struct Ask {
     /// Cut an input longer than the model takes to its first tokens (Ollama's `truncate: true`,
     /// when the client sends it); otherwise such an input is a 400 naming the limit.
     pub truncate: bool,
+    /// Tokens an input may have: the served context, or a client's smaller one.
+    pub limit: usize,
     pub options: HeadroomOptions,
 }
 
 /// Submits one request per text (at most [`IN_FLIGHT`] at a time) and waits for all of them;
 /// their completions in order. A failure drops the others' tickets, which cancels them.
 pub(crate) async fn embed(state: &Arc<AppState>, headers: &HeaderMap, raw: &Bytes, ask: Ask) -> Result<Vec<Completion>, ApiError> {
-    embed_within(state, headers, raw, ask, state.limits_now().context_tokens).await
-}
-
-/// [`embed`] with inputs of at most `limit` tokens (a client's smaller context).
-pub(crate) async fn embed_within(state: &Arc<AppState>, headers: &HeaderMap, raw: &Bytes, ask: Ask, limit: usize) -> Result<Vec<Completion>, ApiError> {
+    let limit = ask.limit;
     let field = ask.field;
     let mut requests = Vec::with_capacity(ask.texts.len());
     for (i, text) in ask.texts.iter().enumerate() {
@@ -195,6 +193,22 @@ pub(crate) async fn embed_within(state: &Arc<AppState>, headers: &HeaderMap, raw
     Ok(finished)
 }
 
+/// Where a list's embeddings ran, for the response headers: the worst, a degraded input if
+/// there is one.
+pub(crate) fn placement(done: &[Completion]) -> headroom_router::Placement {
+    done.iter().find(|c| c.outcome.degraded).unwrap_or(&done[0]).placement()
+}
+
+/// A `dimensions` other than the model's `width` is refused: only the model's own is served.
+pub(crate) fn check_dimensions(dimensions: Option<u32>, width: usize) -> Result<(), ApiError> {
+    match dimensions {
+        Some(d) if d as usize != width => {
+            Err(ApiError::invalid("dimensions", format!("dimensions = {d}: this model's embeddings have {width}; leave dimensions out or send {width}")))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// The vector of a finished embedding (checked by [`embed`]).
 pub(crate) fn vector(c: &Completion) -> &[f32] {
     c.outcome.embedding.as_deref().unwrap_or_default()
@@ -213,10 +227,6 @@ pub(crate) fn check_openai(body: &EmbeddingRequest, width: usize) -> Result<bool
         Some("base64") => true,
         Some(other) => return Err(ApiError::invalid("encoding_format", format!("encoding_format {other:?}: use \"float\" or \"base64\""))),
     };
-    if let Some(d) = body.dimensions {
-        if d as usize != width {
-            return Err(ApiError::invalid("dimensions", format!("dimensions = {d}: this model's embeddings have {width}; leave dimensions out or send {width}")));
-        }
-    }
+    check_dimensions(body.dimensions, width)?;
     Ok(base64)
 }

@@ -440,16 +440,13 @@ pub(crate) async fn embed(State(state): Shared, headers: HeaderMap, body: std::r
         return Err(ApiError::invalid("input", "input is required: a string or an array of strings").into());
     };
     let texts = crate::embeddings::texts(input, "input")?;
-    let width = state.bundle.config.hidden_size;
-    if request.dimensions.is_some_and(|d| d as usize != width) {
-        return Err(ApiError::invalid("dimensions", format!("dimensions = {}: this model's embeddings have {width}; leave dimensions out or send {width}", request.dimensions.unwrap_or_default())).into());
-    }
+    crate::embeddings::check_dimensions(request.dimensions, state.bundle.config.hidden_size)?;
     let mut unused = Map::new();
     let limits = translate_options(request.options, &state.limits_now(), false, &mut unused)?;
-    let ask = crate::embeddings::Ask { field: "input", texts, truncate: request.truncate == Some(true), options: Default::default() };
-    let done = crate::embeddings::embed_within(&state, &headers, &raw, ask, limits.context_tokens).await?;
+    let ask = crate::embeddings::Ask { field: "input", texts, truncate: request.truncate == Some(true), limit: limits.context_tokens, options: Default::default() };
+    let done = crate::embeddings::embed(&state, &headers, &raw, ask).await?;
     let embeddings: Vec<&[f32]> = done.iter().map(crate::embeddings::vector).collect();
-    let placement = done.iter().find(|c| c.outcome.degraded).unwrap_or(&done[0]).placement();
+    let placement = crate::embeddings::placement(&done);
     let headroom: Vec<HeadroomInfo> = done.iter().map(HeadroomInfo::of).collect();
     let body = json!({
         "model": model_name(&state),
@@ -484,8 +481,8 @@ pub(crate) async fn embeddings(State(state): Shared, headers: HeaderMap, body: s
     let texts = crate::embeddings::texts(&Value::String(prompt), "prompt")?;
     let mut unused = Map::new();
     let limits = translate_options(request.options, &state.limits_now(), false, &mut unused)?;
-    let ask = crate::embeddings::Ask { field: "prompt", texts, truncate: false, options: Default::default() };
-    let done = crate::embeddings::embed_within(&state, &headers, &raw, ask, limits.context_tokens).await?;
+    let ask = crate::embeddings::Ask { field: "prompt", texts, truncate: false, limit: limits.context_tokens, options: Default::default() };
+    let done = crate::embeddings::embed(&state, &headers, &raw, ask).await?;
     let body = json!({"embedding": crate::embeddings::vector(&done[0]), "headroom": HeadroomInfo::of(&done[0])});
     Ok(with_placement(Json(body).into_response(), &done[0].placement()))
 }

@@ -233,7 +233,7 @@ async fn embeddings(State(state): Shared, headers: HeaderMap, body: Result<Bytes
     openai::check_model(&request.model, &state.model_id)?;
     let base64 = embeddings::check_openai(&request, state.bundle.config.hidden_size)?;
     let texts = embeddings::texts(&request.input, "input")?;
-    let ask = embeddings::Ask { field: "input", texts, truncate: false, options: request.headroom.clone().unwrap_or_default() };
+    let ask = embeddings::Ask { field: "input", texts, truncate: false, limit: state.limits_now().context_tokens, options: request.headroom.clone().unwrap_or_default() };
     let done = embeddings::embed(&state, &headers, &raw, ask).await?;
     let data = done
         .iter()
@@ -246,8 +246,7 @@ async fn embeddings(State(state): Shared, headers: HeaderMap, body: Result<Bytes
         })
         .collect();
     let prompt_tokens = done.iter().map(|c| c.outcome.prompt_tokens).sum();
-    // The headers tell the worst: a degraded input if there is one.
-    let placement = done.iter().find(|c| c.outcome.degraded).unwrap_or(&done[0]).placement();
+    let placement = embeddings::placement(&done);
     let list = EmbeddingList { object: "list".into(), data, model: state.model_id.clone(), usage: EmbeddingUsage { prompt_tokens, total_tokens: prompt_tokens } };
     Ok(with_placement(Json(list).into_response(), &placement))
 }
