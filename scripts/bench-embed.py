@@ -17,18 +17,15 @@ honest.) Prints one table and writes the figures as JSON (target/bench-embed.jso
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx2 as httpx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serve import DEFAULT_MODEL, ROOT, Serve  # noqa: E402
 
 WORDS = ("the light shall be upon the earth and the waters of the deep were divided while "
          "markets rose and fell as the engineers measured memory bandwidth and bread was baked").split()
@@ -40,40 +37,10 @@ def texts(n):
     return [" ".join(WORDS[j] for j in rng.integers(0, len(WORDS), int(rng.integers(20, 61)))) for _ in range(n)]
 
 
-def headroom_binary():
-    for profile in ("release", "debug"):
-        path = ROOT / "target" / profile / "headroom"
-        if path.exists():
-            return path
-    sys.exit("no target/*/headroom: build it first (cargo build --release --bin headroom)")
-
-
-class Serve:
-    def __init__(self, model, threads):
-        self.dir = tempfile.mkdtemp(prefix="headroom-bench-embed-")
-        env = {**os.environ, "HEADROOM_LOG": "warn", "RAYON_NUM_THREADS": str(threads)}
-        self.proc = subprocess.Popen([str(headroom_binary()), "serve", "--port", "0", "--data-dir", self.dir, "--model", str(model)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            m = re.search(rb"at (http://[^ ]+)", line)
-            if m:
-                self.url = m.group(1).decode()
-                return
-        self.proc.kill()
-        sys.exit("headroom serve did not start")
-
-    def embed(self, inputs):
-        r = httpx.post(self.url + "/v1/embeddings", json={"model": "default", "input": inputs, "encoding_format": "float"}, timeout=600)
-        r.raise_for_status()
-        return [np.array(d["embedding"]) for d in r.json()["data"]], r.json()["usage"]["prompt_tokens"]
-
-    def stop(self):
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
+def embed(serve, inputs):
+    r = httpx.post(serve.url + "/v1/embeddings", json={"model": "default", "input": inputs, "encoding_format": "float"}, timeout=600)
+    r.raise_for_status()
+    return [np.array(d["embedding"]) for d in r.json()["data"]], r.json()["usage"]["prompt_tokens"]
 
 
 def timed(f, runs):
@@ -99,9 +66,9 @@ def main():
     batch = texts(args.texts)
     serve = Serve(args.file, args.threads)
     try:
-        ours, tokens = serve.embed(batch)
-        one_ours = timed(lambda: serve.embed(batch[:1]), args.runs)
-        list_ours = timed(lambda: serve.embed(batch), args.runs)
+        ours, tokens = embed(serve, batch)
+        one_ours = timed(lambda: embed(serve, batch[:1]), args.runs)
+        list_ours = timed(lambda: embed(serve, batch), args.runs)
     finally:
         serve.stop()
     llm = llama_cpp.Llama(model_path=str(args.file), embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN,

@@ -278,7 +278,9 @@ pub fn calibrate_command(bundle: &ModelBundle, dry_run: bool) -> Result<()> {
     if ALLOCATOR.current_bytes() == 0 {
         bail!("the counting allocator is not installed in this binary");
     }
-    let model = bundle.load_cpu(|_, _| {})?;
+    let mut model = bundle.load_cpu(|_, _| {})?;
+    // Admission reserves a request's whole cache: measure the workspace beside all of it.
+    model.preallocate_kv = true;
     let shape = ModelShape::from_config(&bundle.config);
     let started = Instant::now();
     let (calibration, samples) = measure_calibration(&model, bundle, &shape)?;
@@ -321,7 +323,9 @@ pub fn accuracy(
     chunk: u64,
     decode_cap: Option<usize>,
 ) -> Result<serde_json::Value> {
-    let model = bundle.load_cpu(|_, _| {})?;
+    let mut model = bundle.load_cpu(|_, _| {})?;
+    // Admission reserves a request's whole cache: measure the workspace beside all of it.
+    model.preallocate_kv = true;
     let shape = ModelShape::from_config(&bundle.config);
     // The stored calibration is what admission uses, so that is what is checked; a model without
     // one is calibrated here, on points the grid does not use.

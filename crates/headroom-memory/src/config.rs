@@ -32,6 +32,10 @@ pub struct MemoryConfig {
     /// Precision of the CPU worker's KV cache, `"f32"` or `"f16"` (half the host RAM per token,
     /// the same text within rounding). Admission counts the chosen one.
     pub cpu_kv_cache: headroom_model::KvPrecision,
+    /// Host RAM the CPU worker may keep of finished requests' KV caches, in MiB, so a request
+    /// that begins like an earlier one (a system prompt, a chat's earlier turns) skips that
+    /// part of its prefill. Counted in the host budget; 0 turns it off.
+    pub cpu_prefix_cache_mib: u64,
     /// How many transformer layers the GPU holds when the whole model does not fit: `"auto"`
     /// (as many as fit, see [`crate::split`]) or a count.
     pub gpu_layers: crate::split::GpuLayers,
@@ -54,6 +58,7 @@ impl Default for MemoryConfig {
             min_shrunk_tokens: 16,
             sample_interval_ms: 1000,
             cpu_kv_cache: headroom_model::KvPrecision::F32,
+            cpu_prefix_cache_mib: 256,
             gpu_layers: crate::split::GpuLayers::Auto,
             split_min_context_tokens: 4096,
         }
@@ -120,6 +125,9 @@ impl MemoryConfig {
         }
         if let Some(v) = env_parse("HEADROOM_CPU_KV_CACHE")? {
             self.cpu_kv_cache = v;
+        }
+        if let Some(v) = env_parse("HEADROOM_CPU_PREFIX_CACHE_MIB")? {
+            self.cpu_prefix_cache_mib = v;
         }
         if let Some(v) = env_parse("HEADROOM_GPU_LAYERS")? {
             self.gpu_layers = v;

@@ -130,6 +130,8 @@ pub struct StreamEvent<'a> {
 #[derive(Debug, Clone)]
 pub struct Generation {
     pub prompt_tokens: usize,
+    /// Prompt tokens whose keys and values an earlier request had computed (not fed).
+    pub prompt_reused: usize,
     pub tokens: Vec<u32>,
     pub text: String,
     pub finish_reason: FinishReason,
@@ -153,8 +155,20 @@ impl Generation {
 /// ([`crate::cpu::CpuModel`]). Each keeps its KV cache its own way.
 pub trait Decoder {
     type Cache;
-    /// A KV cache for `capacity` tokens (prompt + max_tokens), allocated once.
+    /// A KV cache for `capacity` tokens (prompt + max_tokens).
     fn new_cache(&self, config: &crate::LlamaConfig, capacity: usize) -> Self::Cache;
+    /// A KV cache for a request whose prompt is `prompt`, already holding what the model kept
+    /// of an earlier sequence that began the same way, and how many of the prompt's tokens it
+    /// holds (never all of them). A model that keeps nothing gives an empty cache.
+    fn cache_for_prompt(&self, config: &crate::LlamaConfig, prompt: &[u32], capacity: usize) -> (Self::Cache, usize) {
+        let _ = prompt;
+        (self.new_cache(config, capacity), 0)
+    }
+    /// Takes a finished sequence's cache back (it is left empty); `tokens` are the tokens it
+    /// holds, in order. A model that keeps nothing drops it.
+    fn retire(&self, cache: &mut Self::Cache, tokens: &[u32]) {
+        let _ = (cache, tokens);
+    }
     /// Feeds `tokens` at the cache's position and returns the logits of the last.
     fn feed(&self, tokens: &[u32], cache: &mut Self::Cache) -> Vec<f32>;
     /// Feeds `tokens` at the cache's position and gives the sum of their hidden states after the
@@ -209,6 +223,14 @@ impl Decoder for crate::cpu::CpuModel {
     fn new_cache(&self, _config: &crate::LlamaConfig, capacity: usize) -> crate::cpu::CpuCache {
         crate::cpu::CpuModel::new_cache(self, capacity)
     }
+    fn cache_for_prompt(&self, _config: &crate::LlamaConfig, prompt: &[u32], capacity: usize) -> (crate::cpu::CpuCache, usize) {
+        let cache = crate::cpu::CpuModel::cache_for_prompt(self, prompt, capacity);
+        let held = cache.len;
+        (cache, held)
+    }
+    fn retire(&self, cache: &mut crate::cpu::CpuCache, tokens: &[u32]) {
+        crate::cpu::CpuModel::retire(self, cache, tokens)
+    }
     fn feed(&self, tokens: &[u32], cache: &mut crate::cpu::CpuCache) -> Vec<f32> {
         self.step(tokens, cache)
     }
@@ -239,8 +261,11 @@ pub struct Session<'m, M: Decoder> {
     next: Option<Next>,
     finished: Option<FinishReason>,
     pub prefill_ms: f64,
-    /// Prompt tokens fed so far, and how many per prefill step.
+    /// Prompt tokens fed so far (those the cache started with included), and how many per
+    /// prefill step.
     prompt_fed: usize,
+    /// Prompt tokens the cache started with: computed by an earlier request.
+    prompt_reused: usize,
     prefill_chunk: usize,
     /// Tokens of a resumed checkpoint (the head of `generated`), and how many were fed again.
     resumed: usize,
@@ -377,10 +402,16 @@ impl<'m, M: Decoder> Session<'m, M> {
             (text, delivered)
         };
         let capacity = request.prompt_tokens.len() + request.max_tokens;
+        // An embedding pools every prompt token's hidden state, so it computes them all.
+        let (cache, prompt_held) = if request.embed {
+            (model.new_cache(&bundle.config, capacity), 0)
+        } else {
+            model.cache_for_prompt(&bundle.config, &request.prompt_tokens, capacity)
+        };
         Ok(Self {
             model,
             bundle,
-            cache: model.new_cache(&bundle.config, capacity),
+            cache,
             sampler,
             prompt: request.prompt_tokens.clone(),
             resumed: generated.len(),
@@ -393,7 +424,8 @@ impl<'m, M: Decoder> Session<'m, M> {
             next: None,
             finished: None,
             prefill_ms: 0.0,
-            prompt_fed: 0,
+            prompt_fed: prompt_held,
+            prompt_reused: prompt_held,
             prefill_chunk: request.prefill_chunk.max(1),
             replayed: 0,
             unfed: None,
@@ -479,6 +511,11 @@ impl<'m, M: Decoder> Session<'m, M> {
             }
             self.next = Some(next);
         }
+    }
+
+    /// Prompt tokens whose keys and values came from an earlier request's cache (not fed).
+    pub fn prompt_reused(&self) -> usize {
+        self.prompt_reused
     }
 
     /// Ends the session as cancelled.
@@ -601,6 +638,18 @@ impl<'m, M: Decoder> Session<'m, M> {
 }
 
 /// Runs a whole generation, calling `on_token` for each token as it is produced.
+impl<M: Decoder> Drop for Session<'_, M> {
+    /// Gives the cache back to the model, which may keep its blocks for later requests.
+    fn drop(&mut self) {
+        // A step that panicked may have written part of a position: keep nothing of it.
+        if std::thread::panicking() {
+            return;
+        }
+        let tokens: Vec<u32> = self.prompt.iter().chain(&self.generated).copied().collect();
+        self.model.retire(&mut self.cache, &tokens);
+    }
+}
+
 pub fn generate<M: Decoder>(
     model: &M,
     bundle: &ModelBundle,
@@ -623,6 +672,7 @@ pub fn generate<M: Decoder>(
     let decode_ms = started.elapsed().as_secs_f64() * 1000.0;
     Ok(Generation {
         prompt_tokens: request.prompt_tokens.len(),
+        prompt_reused: session.prompt_reused(),
         tokens: session.generated().to_vec(),
         text: session.text().to_string(),
         finish_reason: session.finished().unwrap_or(FinishReason::Length),

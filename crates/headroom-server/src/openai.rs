@@ -326,11 +326,25 @@ pub struct Usage {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
     pub total_tokens: u32,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// OpenAI's breakdown of the prompt tokens.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens whose keys and values the worker kept from an earlier request that began
+    /// the same way (a system prompt, a chat's earlier turns): not computed again.
+    pub cached_tokens: u32,
 }
 
 impl Usage {
     pub fn of(o: &RunOutcome) -> Self {
-        Self { prompt_tokens: o.prompt_tokens, completion_tokens: o.completion_tokens, total_tokens: o.prompt_tokens + o.completion_tokens }
+        Self {
+            prompt_tokens: o.prompt_tokens,
+            completion_tokens: o.completion_tokens,
+            total_tokens: o.prompt_tokens + o.completion_tokens,
+            prompt_tokens_details: PromptTokensDetails { cached_tokens: o.cached_prompt_tokens },
+        }
     }
 }
 

@@ -595,6 +595,12 @@ fn status_body(state: &AppState) -> StatusBody {
         "vram_reserve_bytes": s.gpu_budget.map(|b| b.reserve_bytes),
         "gpu_held_bytes": s.gpu_budget.map(|b| b.held_bytes),
         "host": headroom_memory::observe::host_memory(),
+        // Finished requests' KV blocks the CPU worker keeps for prompts that begin the same way.
+        "cpu_prefix_cache": s.cpu_prefix_cache.map(|p| {
+            let mut value = serde_json::to_value(p).unwrap_or_default();
+            value["hit_rate"] = json!(p.hit_rate());
+            value
+        }),
     });
     StatusBody {
         model: state.model_id.clone(),

@@ -48,6 +48,10 @@ pub struct WorkerArgs {
     /// Precision of the CPU engine's KV cache: f32 or f16.
     #[arg(long, default_value = "f32")]
     pub kv_cache: headroom_model::KvPrecision,
+    /// On the CPU: host RAM kept of finished requests' KV blocks for requests that begin the
+    /// same way, in MiB (0: none).
+    #[arg(long, default_value_t = 0)]
+    pub prefix_cache_mib: u64,
     /// On a GPU: hold only the model's last N layers there and run the rest on the CPU (a split).
     #[arg(long)]
     pub gpu_layers: Option<u32>,
@@ -74,6 +78,7 @@ fn worker_options(device: Device, args: WorkerArgs) -> WorkerOptions {
     options.memory_sample_ms = args.memory_sample_ms;
     options.sim_vram_mib = args.sim_vram_mib;
     options.kv_cache = args.kv_cache;
+    options.prefix_cache_mib = args.prefix_cache_mib;
     options.gpu_layers = args.gpu_layers;
     options
 }
@@ -135,13 +140,14 @@ mod tests {
         sent.max_concurrency = 3;
         sent.max_context_tokens = Some(4096);
         sent.kv_cache = headroom_model::KvPrecision::F16;
+        sent.prefix_cache_mib = 96;
         let args = std::iter::once("headroom".to_string()).chain(sent.to_args());
         let Command::Worker(parsed) = Cli::try_parse_from(args).unwrap().command;
         let device = parsed.device.parse().unwrap();
         let received = worker_options(device, parsed);
         assert_eq!(
-            (received.device, received.max_concurrency, received.max_context_tokens, received.kv_cache),
-            (sent.device, sent.max_concurrency, sent.max_context_tokens, sent.kv_cache)
+            (received.device, received.max_concurrency, received.max_context_tokens, received.kv_cache, received.prefix_cache_mib),
+            (sent.device, sent.max_concurrency, sent.max_context_tokens, sent.kv_cache, sent.prefix_cache_mib)
         );
         let bad = Cli::try_parse_from(["headroom", "worker", "--device", "cpu", "--kv-cache", "q8"]);
         assert!(bad.is_err_and(|e| e.to_string().contains("\"f32\" or \"f16\"")), "a clear error for an unknown precision");
@@ -395,6 +401,7 @@ pub async fn run(
     cpu.max_concurrency = settings.cpu_max_concurrency;
     cpu.max_context_tokens = Some(settings.cpu_max_context_tokens);
     cpu.kv_cache = memory.cpu_kv_cache;
+    cpu.prefix_cache_mib = memory.cpu_prefix_cache_mib;
 
     {
         let backend = headroom_memory::calibration::backend_key(&gpu.as_ref().map(|g| g.device.label()).unwrap_or_else(|| "cpu".into()));

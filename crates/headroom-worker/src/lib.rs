@@ -98,6 +98,9 @@ pub struct WorkerOptions {
     pub sim_vram_mib: u64,
     /// Precision of the KV cache on the CPU device (the sim GPU models a GPU's f32).
     pub kv_cache: headroom_model::KvPrecision,
+    /// Host RAM the CPU device keeps of finished requests' KV blocks for requests that begin
+    /// the same way, in MiB (0: none; see `headroom_model::cpu::prefix`).
+    pub prefix_cache_mib: u64,
     /// On a GPU: how many of the model's last layers it holds, the rest running on the CPU in
     /// this process (a planned split, `headroom_memory::split`). `None`: every layer.
     pub gpu_layers: Option<u32>,
@@ -117,6 +120,7 @@ impl WorkerOptions {
             memory_sample_ms: 1000,
             sim_vram_mib: 2048,
             kv_cache: headroom_model::KvPrecision::F32,
+            prefix_cache_mib: 0,
             gpu_layers: None,
         }
     }
@@ -139,6 +143,7 @@ impl WorkerOptions {
         }
         if self.device == Device::Cpu {
             args.extend(["--kv-cache".into(), self.kv_cache.to_string()]);
+            args.extend(["--prefix-cache-mib".into(), self.prefix_cache_mib.to_string()]);
         }
         if let Some(n) = self.gpu_layers.filter(|_| self.device.is_gpu()) {
             args.extend(["--gpu-layers".into(), n.to_string()]);

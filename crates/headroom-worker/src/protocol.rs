@@ -109,6 +109,9 @@ pub enum FromWorker {
         request_id: String,
         finish_reason: FinishReason,
         prompt_tokens: u32,
+        /// Prompt tokens whose keys and values came from the prefix cache (not computed).
+        #[serde(default)]
+        cached_prompt_tokens: u32,
         completion_tokens: u32,
         prefill_ms: f64,
         decode_ms: f64,
@@ -195,6 +198,10 @@ pub struct MemoryReading {
     pub allocator_bytes: Option<u64>,
     pub gpu: Option<GpuMemory>,
     pub host: Option<HostMemory>,
+    /// The CPU engine's prefix cache: blocks and bytes it keeps beyond the running requests'
+    /// reservations, and its hits.
+    #[serde(default)]
+    pub prefix_cache: Option<headroom_model::cpu::PrefixStats>,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -245,6 +245,9 @@ impl State {
                 (Device::Cpu, _) => {
                     let mut model = bundle.load_cpu(|_, _| {})?;
                     model.kv_precision = self.options.kv_cache;
+                    let block_bytes = headroom_model::cpu::CpuCache::bytes(&bundle.config, headroom_model::cpu::KEY_BLOCK, model.kv_precision) as u64;
+                    let blocks = self.options.prefix_cache_mib * headroom_memory::MIB / block_bytes.max(1);
+                    model.prefix_cache = headroom_model::cpu::PrefixCache::new(blocks as usize);
                     Ok(Engine::Cpu(model))
                 }
                 (Device::Sim, None) => Ok(Engine::Cpu(bundle.load_cpu(|_, _| {})?)),
@@ -342,7 +345,12 @@ impl State {
             Some(Engine::CudaSplit(model, _)) => model.cpu_weight_bytes() as u64,
             _ => 0,
         };
+        let prefix_cache = match (loaded.as_ref().map(|l| &l.engine), self.options.device) {
+            (Some(Engine::Cpu(model)), Device::Cpu) => Some(model.prefix_cache.stats()),
+            _ => None,
+        };
         let mut reading = MemoryReading {
+            prefix_cache,
             device: self.options.device.label(),
             simulated: self.options.device == Device::Sim,
             weights_bytes,
@@ -730,6 +738,7 @@ impl Running {
             request_id: id.to_string(),
             finish_reason,
             prompt_tokens: self.prompt_tokens,
+            cached_prompt_tokens: session.prompt_reused() as u32,
             completion_tokens: session.generated().len() as u32,
             prefill_ms: session.prefill_ms,
             decode_ms: self.decode_started.map_or(0.0, |t| t.elapsed().as_secs_f64() * 1000.0),

@@ -8,11 +8,19 @@
 //! vector lanes. Values stay one row per position; a head's output is summed in registers,
 //! 64 values at a time, over every row.
 //!
+//! The cache is paged: a sequence holds a table of blocks ([`KvBlock`]), each [`KEY_BLOCK`]
+//! positions of every layer, allocated as its positions are written and shared (read-only) with
+//! other sequences whose prompts begin the same way (`super::prefix`). The kernels read a KV
+//! head's part of each block in turn, with the sums chained across blocks exactly as over one
+//! contiguous run.
+//!
 //! Every sum is a fixed set of fused multiply-add chains added in a fixed order (a score: four
 //! chains over the dimensions; an output: even and odd positions), the same whatever vector
 //! width computes it: an item's result depends only on its query, the cache and how many
 //! positions it sees, so a sequence computes the same in a batch as alone, and in a prefill as
 //! token by token.
+
+use std::sync::Arc;
 
 use half::f16;
 
@@ -23,55 +31,79 @@ use super::team::Team;
 /// Positions per block of the key cache.
 pub const KEY_BLOCK: usize = 16;
 
-/// Values of one layer's keys or values, f32 or f16.
+/// Values of a KV block, f32 or f16.
+#[derive(Clone)]
 pub(super) enum KvBuffer {
     F32(Vec<f32>),
     F16(Vec<f16>),
 }
 
-/// Where a KV head's keys and values lie in a cache of `slots` positions (`capacity` rounded up
-/// to whole key blocks).
+/// [`KEY_BLOCK`] positions of every layer's keys and values: one page of a sequence's cache.
+/// Layer `l`'s KV head `g` has two parts of `KEY_BLOCK · head_dim` values, at
+/// [`KvLayout::keys_at`]: its keys (`[head_dim][KEY_BLOCK]`, position innermost), then its
+/// values (`[KEY_BLOCK][head_dim]`, a row per position).
+#[derive(Clone)]
+pub struct KvBlock(pub(super) KvBuffer);
+
+impl KvBlock {
+    /// Bytes the block holds.
+    pub fn bytes(&self) -> usize {
+        match &self.0 {
+            KvBuffer::F32(b) => b.len() * 4,
+            KvBuffer::F16(b) => b.len() * 2,
+        }
+    }
+}
+
+/// Where a KV head's keys and values lie in a block.
 #[derive(Clone, Copy)]
 pub(super) struct KvLayout {
-    pub slots: usize,
+    pub kv_heads: usize,
     pub head_dim: usize,
 }
 
 impl KvLayout {
-    /// Index of dimension `c` of position `p`'s key in KV head `g`.
-    pub fn key(self, g: usize, p: usize, c: usize) -> usize {
-        let block = p / KEY_BLOCK;
-        (g * self.slots + block * KEY_BLOCK) * self.head_dim + c * KEY_BLOCK + p % KEY_BLOCK
+    /// Values of one part of a block: a KV head's keys, or its values.
+    pub fn part_len(self) -> usize {
+        KEY_BLOCK * self.head_dim
     }
 
-    /// Index of dimension `c` of position `p`'s value in KV head `g`.
-    pub fn value(self, g: usize, p: usize, c: usize) -> usize {
-        (g * self.slots + p) * self.head_dim + c
+    /// Values of a block holding `layers` layers.
+    pub fn block_len(self, layers: usize) -> usize {
+        layers * self.kv_heads * 2 * self.part_len()
     }
 
-    /// Writes position `p`'s key and value of KV head `g`.
-    pub fn write(self, keys: &mut KvBuffer, values: &mut KvBuffer, g: usize, p: usize, k: &[f32], v: &[f32]) {
+    /// Where layer `layer`'s KV head `g` keys start in a block; its values follow them.
+    pub fn keys_at(self, layer: usize, g: usize) -> usize {
+        (layer * self.kv_heads + g) * 2 * self.part_len()
+    }
+
+    /// Writes the key and value of KV head `g` of layer `layer` at position `p` of the block
+    /// (`p < KEY_BLOCK`).
+    pub fn write(self, block: &mut KvBuffer, layer: usize, g: usize, p: usize, k: &[f32], v: &[f32]) {
         // A key's dimensions lie KEY_BLOCK values apart.
-        let first = self.key(g, p, 0);
+        let first = self.keys_at(layer, g) + p;
         let places = (first..first + self.head_dim * KEY_BLOCK).step_by(KEY_BLOCK);
-        match keys {
-            KvBuffer::F32(b) => places.zip(k).for_each(|(at, k)| b[at] = *k),
-            KvBuffer::F16(b) => places.zip(k).for_each(|(at, k)| b[at] = f16::from_f32(*k)),
-        }
-        let at = self.value(g, p, 0);
-        match values {
-            KvBuffer::F32(b) => b[at..at + self.head_dim].copy_from_slice(v),
-            KvBuffer::F16(b) => b[at..at + self.head_dim].iter_mut().zip(v).for_each(|(o, v)| *o = f16::from_f32(*v)),
+        let at = self.keys_at(layer, g) + self.part_len() + p * self.head_dim;
+        match block {
+            KvBuffer::F32(b) => {
+                places.zip(k).for_each(|(at, k)| b[at] = *k);
+                b[at..at + self.head_dim].copy_from_slice(v);
+            }
+            KvBuffer::F16(b) => {
+                places.zip(k).for_each(|(at, k)| b[at] = f16::from_f32(*k));
+                b[at..at + self.head_dim].iter_mut().zip(v).for_each(|(o, v)| *o = f16::from_f32(*v));
+            }
         }
     }
 }
 
-/// One token's attention: its query heads (`nh` of `d` values), its layer's cache, and how many
-/// positions it sees (itself included).
+/// One token's attention: its sequence's blocks, the layer, and how many positions it sees
+/// (itself included).
 pub(super) struct Query<'a> {
-    pub keys: &'a KvBuffer,
-    pub values: &'a KvBuffer,
+    pub blocks: &'a [Arc<KvBlock>],
     pub layout: KvLayout,
+    pub layer: usize,
     pub seen: usize,
 }
 
@@ -100,17 +132,17 @@ pub(super) fn attend(queries: &[Query], nh: usize, kvh: usize, d: usize, q: &[f3
 /// positions, into `out` (`[rep, d]`).
 fn attend_group(query: &Query, g: usize, rep: usize, d: usize, q: &[f32], out: &mut [f32]) {
     let (layout, seen, simd) = (query.layout, query.seen, vectors());
-    let padded = seen.next_multiple_of(KEY_BLOCK);
+    let blocks = &query.blocks[..seen.div_ceil(KEY_BLOCK)];
+    let padded = blocks.len() * KEY_BLOCK;
     let mut scores = vec![0f32; rep * padded];
-    let keys = layout.key(g, 0, 0)..layout.key(g, 0, 0) + padded * d;
-    simd.scores(query.keys, keys, q, d, &mut scores, padded);
+    let (keys, part) = (layout.keys_at(query.layer, g), layout.part_len());
+    simd.scores(blocks, keys..keys + part, q, d, &mut scores, padded);
     let scale = 1.0 / (d as f32).sqrt();
     for scores in scores.chunks_exact_mut(padded) {
         simd.softmax(&mut scores[..seen], scale);
     }
-    let values = layout.value(g, 0, 0)..layout.value(g, seen, 0);
     for (weights, out) in scores.chunks_exact(padded).zip(out.chunks_exact_mut(d)) {
-        simd.weighted_sum(query.values, values.clone(), d, &weights[..seen], out);
+        simd.weighted_sum(blocks, keys + part..keys + 2 * part, d, &weights[..seen], out);
     }
 }
 
@@ -208,16 +240,29 @@ impl<const W: u8> Lanes for F16Lanes<'_, W> {
     }
 }
 
-/// Calls `$body` with the buffer's values as [`Lanes`] of width `$w`.
-macro_rules! with_lanes {
-    ($buffer:expr, $range:expr, $w:literal, |$lanes:ident| $body:expr) => {
-        match $buffer {
-            KvBuffer::F32(b) => {
-                let $lanes = F32Lanes(&b[$range]);
+/// Calls `$body` with `$range` of each block as [`Lanes`] of width `$w`: the pages of one KV
+/// head's keys or values. A cache holds one precision.
+macro_rules! with_pages {
+    ($blocks:expr, $range:expr, $w:literal, |$pages:ident| $body:expr) => {
+        match &$blocks[0].0 {
+            KvBuffer::F32(_) => {
+                let $pages: Vec<F32Lanes> = $blocks
+                    .iter()
+                    .map(|b| match &b.0 {
+                        KvBuffer::F32(b) => F32Lanes(&b[$range.clone()]),
+                        KvBuffer::F16(_) => unreachable!("one precision per cache"),
+                    })
+                    .collect();
                 $body
             }
-            KvBuffer::F16(b) => {
-                let $lanes = F16Lanes::<'_, $w>(&b[$range]);
+            KvBuffer::F16(_) => {
+                let $pages: Vec<F16Lanes<'_, $w>> = $blocks
+                    .iter()
+                    .map(|b| match &b.0 {
+                        KvBuffer::F16(b) => F16Lanes::<'_, $w>(&b[$range.clone()]),
+                        KvBuffer::F32(_) => unreachable!("one precision per cache"),
+                    })
+                    .collect();
                 $body
             }
         }
@@ -226,29 +271,30 @@ macro_rules! with_lanes {
 
 impl Vectors {
     /// `scores[h · stride + j] = q_h · key_j` for the heads of `q` (`[heads, d]`) and every
-    /// position of the key blocks at `range` of `keys` (`[blocks][d][KEY_BLOCK]`).
-    fn scores(self, keys: &KvBuffer, range: std::ops::Range<usize>, q: &[f32], d: usize, scores: &mut [f32], stride: usize) {
+    /// position of the blocks, whose keys lie at `range` of each (`[d][KEY_BLOCK]`).
+    fn scores(self, blocks: &[Arc<KvBlock>], range: std::ops::Range<usize>, q: &[f32], d: usize, scores: &mut [f32], stride: usize) {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: chosen only where the processor has these features.
-            Vectors::Avx512 => with_lanes!(keys, range, 2, |k| unsafe { wide::scores(k, q, d, scores, stride) }),
+            Vectors::Avx512 => with_pages!(blocks, range, 2, |k| unsafe { wide::scores(&k, q, d, scores, stride) }),
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above.
-            Vectors::Avx2 => with_lanes!(keys, range, 1, |k| unsafe { narrow::scores(k, q, d, scores, stride) }),
-            Vectors::Plain => with_lanes!(keys, range, 0, |k| scores_body(k, q, d, scores, stride)),
+            Vectors::Avx2 => with_pages!(blocks, range, 1, |k| unsafe { narrow::scores(&k, q, d, scores, stride) }),
+            Vectors::Plain => with_pages!(blocks, range, 0, |k| scores_body(&k, q, d, scores, stride)),
         }
     }
 
-    /// `out = Σ_j weights[j] · row j` of the rows at `range` of `values` (`[weights.len(), d]`).
-    fn weighted_sum(self, values: &KvBuffer, range: std::ops::Range<usize>, d: usize, weights: &[f32], out: &mut [f32]) {
+    /// `out = Σ_j weights[j] · row j` over the first `weights.len()` positions of the blocks,
+    /// whose value rows lie at `range` of each (`[KEY_BLOCK][d]`).
+    fn weighted_sum(self, blocks: &[Arc<KvBlock>], range: std::ops::Range<usize>, d: usize, weights: &[f32], out: &mut [f32]) {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: chosen only where the processor has these features.
-            Vectors::Avx512 => with_lanes!(values, range, 2, |v| unsafe { wide::weighted_sum(v, d, weights, out) }),
+            Vectors::Avx512 => with_pages!(blocks, range, 2, |v| unsafe { wide::weighted_sum(&v, d, weights, out) }),
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above.
-            Vectors::Avx2 => with_lanes!(values, range, 1, |v| unsafe { narrow::weighted_sum(v, d, weights, out) }),
-            Vectors::Plain => with_lanes!(values, range, 0, |v| weighted_sum_body(v, d, weights, out)),
+            Vectors::Avx2 => with_pages!(blocks, range, 1, |v| unsafe { narrow::weighted_sum(&v, d, weights, out) }),
+            Vectors::Plain => with_pages!(blocks, range, 0, |v| weighted_sum_body(&v, d, weights, out)),
         }
     }
 
@@ -286,12 +332,12 @@ macro_rules! compiled_for {
         mod $module {
             use super::Lanes;
             #[target_feature(enable = $features)]
-            pub(super) unsafe fn scores(keys: impl Lanes, q: &[f32], d: usize, scores: &mut [f32], stride: usize) {
-                super::scores_body(keys, q, d, scores, stride)
+            pub(super) unsafe fn scores<L: Lanes>(pages: &[L], q: &[f32], d: usize, scores: &mut [f32], stride: usize) {
+                super::scores_body(pages, q, d, scores, stride)
             }
             #[target_feature(enable = $features)]
-            pub(super) unsafe fn weighted_sum(rows: impl Lanes, d: usize, weights: &[f32], out: &mut [f32]) {
-                super::weighted_sum_body(rows, d, weights, out)
+            pub(super) unsafe fn weighted_sum<L: Lanes>(pages: &[L], d: usize, weights: &[f32], out: &mut [f32]) {
+                super::weighted_sum_body(pages, d, weights, out)
             }
             #[target_feature(enable = $features)]
             pub(super) unsafe fn exp(x: &mut [f32]) {
@@ -307,49 +353,49 @@ macro_rules! compiled_for {
 compiled_for!(wide, "avx512f,avx2,fma,f16c");
 compiled_for!(narrow, "avx2,fma,f16c");
 
-/// How far ahead of what they multiply the kernels ask for cache lines, in bytes: the
-/// hardware's prefetcher stops at every 4 KiB page, and a key block (64 dimensions, f32) is
-/// one.
+/// How far ahead of what they sum the value loops ask for cache lines, in bytes. The key loops
+/// ask for the blocks of the next group instead: each block is an allocation of its own, where
+/// the hardware's prefetcher, which stops at every 4 KiB page, cannot follow.
 const AHEAD_BYTES: usize = 2048;
 
 #[inline(always)]
-fn scores_body(keys: impl Lanes, q: &[f32], d: usize, scores: &mut [f32], stride: usize) {
-    let block = d * KEY_BLOCK;
+fn scores_body<L: Lanes>(pages: &[L], q: &[f32], d: usize, scores: &mut [f32], stride: usize) {
     let blocks = stride / KEY_BLOCK;
-    let ahead = AHEAD_BYTES / std::mem::size_of::<f32>();
+    debug_assert_eq!(blocks, pages.len());
     for (h, qh) in q.chunks_exact(d).enumerate() {
         let scores = &mut scores[h * stride..];
+        // The first head brings the blocks in for the rest.
+        let next = |b: usize| if h == 0 { pages.get(b).copied() } else { None };
         // Two blocks at a time: eight independent chains keep the multiply-adds overlapping.
         let mut b = 0;
         while b + 2 <= blocks {
-            score_blocks::<2>(keys, b * block, qh, &mut scores[b * KEY_BLOCK..(b + 2) * KEY_BLOCK], if h == 0 { ahead } else { 0 });
+            score_blocks::<2, L>([pages[b], pages[b + 1]], [next(b + 2), next(b + 3)], qh, &mut scores[b * KEY_BLOCK..(b + 2) * KEY_BLOCK]);
             b += 2;
         }
         if b < blocks {
-            score_blocks::<1>(keys, b * block, qh, &mut scores[b * KEY_BLOCK..(b + 1) * KEY_BLOCK], if h == 0 { ahead } else { 0 });
+            score_blocks::<1, L>([pages[b]], [None], qh, &mut scores[b * KEY_BLOCK..(b + 1) * KEY_BLOCK]);
         }
     }
 }
 
-/// Scores of `B` key blocks from value `first`: per block, four chains (dimensions
-/// `c ≡ 0..3 mod 4`) added at the end, the same steps whatever `B`. `ahead`: how many values
-/// past each line read to prefetch (0: none; the first head brings the blocks in for the rest).
+/// Scores of `B` key blocks: per block, four chains (dimensions `c ≡ 0..3 mod 4`) added at the
+/// end, the same steps whatever `B`. `next`: blocks whose lines to ask for meanwhile.
 #[inline(always)]
-fn score_blocks<const B: usize>(keys: impl Lanes, first: usize, q: &[f32], scores: &mut [f32], ahead: usize) {
+fn score_blocks<const B: usize, L: Lanes>(keys: [L; B], next: [Option<L>; B], q: &[f32], scores: &mut [f32]) {
     let d = q.len();
     let mut acc = [[[0f32; KEY_BLOCK]; 4]; B];
     let whole = d / 4 * 4;
     for c in (0..whole).step_by(4) {
         for (b, acc) in acc.iter_mut().enumerate() {
-            let at = first + b * d * KEY_BLOCK + c * KEY_BLOCK;
-            if ahead > 0 {
+            let at = c * KEY_BLOCK;
+            if let Some(next) = next[b] {
                 // Four rows of 16 f32 values are four lines (f16: two).
                 for j in 0..4 {
-                    keys.prefetch(at + ahead + j * KEY_BLOCK);
+                    next.prefetch(at + j * KEY_BLOCK);
                 }
             }
             for (j, acc) in acc.iter_mut().enumerate() {
-                let (qc, k) = (q[c + j], keys.load16(at + j * KEY_BLOCK));
+                let (qc, k) = (q[c + j], keys[b].load16(at + j * KEY_BLOCK));
                 for l in 0..KEY_BLOCK {
                     acc[l] = qc.mul_add(k[l], acc[l]);
                 }
@@ -358,7 +404,7 @@ fn score_blocks<const B: usize>(keys: impl Lanes, first: usize, q: &[f32], score
     }
     for (b, acc) in acc.iter_mut().enumerate() {
         for c in whole..d {
-            let k = keys.load16(first + b * d * KEY_BLOCK + c * KEY_BLOCK);
+            let k = keys[b].load16(c * KEY_BLOCK);
             for l in 0..KEY_BLOCK {
                 acc[0][l] = q[c].mul_add(k[l], acc[0][l]);
             }
@@ -373,21 +419,27 @@ fn score_blocks<const B: usize>(keys: impl Lanes, first: usize, q: &[f32], score
 const SUM_WIDTH: usize = 64;
 
 /// Even and odd rows in two chains per column (twice the multiply-adds in flight of one),
-/// summed in registers `SUM_WIDTH` columns at a time, the chains added at the end.
+/// summed in registers `SUM_WIDTH` columns at a time, the chains added at the end. Row `j` is
+/// row `j % KEY_BLOCK` of page `j / KEY_BLOCK`.
 #[inline(always)]
-fn weighted_sum_body(rows: impl Lanes, d: usize, weights: &[f32], out: &mut [f32]) {
+fn weighted_sum_body<L: Lanes>(pages: &[L], d: usize, weights: &[f32], out: &mut [f32]) {
     let whole = d / SUM_WIDTH * SUM_WIDTH;
-    let ahead = AHEAD_BYTES / std::mem::size_of::<f32>();
+    let ahead = (AHEAD_BYTES / std::mem::size_of::<f32>() / d).max(1);
+    let row = |j: usize| (pages[j / KEY_BLOCK], (j % KEY_BLOCK) * d);
     for at in (0..whole).step_by(SUM_WIDTH) {
         let (mut even, mut odd) = ([0f32; SUM_WIDTH], [0f32; SUM_WIDTH]);
-        let add = |acc: &mut [f32; SUM_WIDTH], row: usize, w: f32| {
+        let add = |acc: &mut [f32; SUM_WIDTH], j: usize, w: f32| {
             if at == 0 {
-                for line in (0..d).step_by(16) {
-                    rows.prefetch(row + ahead + line);
+                if let Some(page) = pages.get((j + ahead) / KEY_BLOCK) {
+                    let first = (j + ahead) % KEY_BLOCK * d;
+                    for line in (0..d).step_by(16) {
+                        page.prefetch(first + line);
+                    }
                 }
             }
+            let (page, first) = row(j);
             for part in 0..SUM_WIDTH / 16 {
-                let v = rows.load16(row + 16 * part);
+                let v = page.load16(first + at + 16 * part);
                 for l in 0..16 {
                     acc[16 * part + l] = w.mul_add(v[l], acc[16 * part + l]);
                 }
@@ -395,11 +447,11 @@ fn weighted_sum_body(rows: impl Lanes, d: usize, weights: &[f32], out: &mut [f32
         };
         let pairs = weights.len() / 2;
         for j in 0..pairs {
-            add(&mut even, 2 * j * d + at, weights[2 * j]);
-            add(&mut odd, (2 * j + 1) * d + at, weights[2 * j + 1]);
+            add(&mut even, 2 * j, weights[2 * j]);
+            add(&mut odd, 2 * j + 1, weights[2 * j + 1]);
         }
         if weights.len() % 2 == 1 {
-            add(&mut even, 2 * pairs * d + at, weights[2 * pairs]);
+            add(&mut even, 2 * pairs, weights[2 * pairs]);
         }
         for l in 0..SUM_WIDTH {
             out[at + l] = even[l] + odd[l];
@@ -410,9 +462,10 @@ fn weighted_sum_body(rows: impl Lanes, d: usize, weights: &[f32], out: &mut [f32
         let rest = d - whole;
         let mut chains = vec![0f32; 2 * rest];
         for (j, &w) in weights.iter().enumerate() {
+            let (page, first) = row(j);
             let chain = &mut chains[(j % 2) * rest..(j % 2 + 1) * rest];
             for (i, o) in chain.iter_mut().enumerate() {
-                *o = w.mul_add(rows.get(j * d + whole + i), *o);
+                *o = w.mul_add(page.get(first + whole + i), *o);
             }
         }
         for i in 0..rest {
@@ -495,51 +548,64 @@ mod tests {
         }
     }
 
+    /// Blocks of one layer and one KV head holding `key(p, c)` and `value(p, c)` for
+    /// `positions` positions, in f32 or f16; the keys lie at `0..part`, the values after them.
+    fn blocks(d: usize, positions: usize, f16: bool, key: impl Fn(usize, usize) -> f32, value: impl Fn(usize, usize) -> f32) -> (Vec<Arc<KvBlock>>, KvLayout) {
+        let layout = KvLayout { kv_heads: 1, head_dim: d };
+        let blocks = (0..positions.div_ceil(KEY_BLOCK))
+            .map(|b| {
+                let n = layout.block_len(1);
+                let mut buffer = if f16 { KvBuffer::F16(vec![f16::ZERO; n]) } else { KvBuffer::F32(vec![0.0; n]) };
+                for p in b * KEY_BLOCK..((b + 1) * KEY_BLOCK).min(positions) {
+                    let k: Vec<f32> = (0..d).map(|c| key(p, c)).collect();
+                    let v: Vec<f32> = (0..d).map(|c| value(p, c)).collect();
+                    layout.write(&mut buffer, 0, 0, p % KEY_BLOCK, &k, &v);
+                }
+                Arc::new(KvBlock(buffer))
+            })
+            .collect();
+        (blocks, layout)
+    }
+
     /// The vector forms give the bits of the plain one, from f32 and f16 caches alike.
     #[test]
     fn every_vector_width_computes_the_same_bits() {
         let (d, padded, rep) = (72, 48, 3);
-        let data: Vec<f32> = (0..d * padded).map(|i| ((i * 37 % 101) as f32 - 50.0) / 16.0).collect();
+        let data = |p: usize, c: usize| (((p * d + c) * 37 % 101) as f32 - 50.0) / 16.0;
         let q: Vec<f32> = (0..rep * d).map(|i| ((i * 53 % 97) as f32 - 48.0) / 23.0).collect();
         let weights: Vec<f32> = (0..padded - 5).map(|i| (i as f32 * 0.37).sin().abs()).collect();
-        let buffers = [KvBuffer::F32(data.clone()), KvBuffer::F16(data.iter().map(|v| f16::from_f32(*v)).collect())];
-        for buffer in &buffers {
+        let caches = [blocks(d, padded, false, data, data).0, blocks(d, padded, true, data, data).0];
+        let part = KEY_BLOCK * d;
+        for cache in &caches {
             let run = |form: Vectors| {
                 let mut scores = vec![0f32; rep * padded];
-                form.scores(buffer, 0..d * padded, &q, d, &mut scores, padded);
+                form.scores(cache, 0..part, &q, d, &mut scores, padded);
                 let mut out = vec![0f32; d];
-                form.weighted_sum(buffer, 0..weights.len() * d, d, &weights, &mut out);
+                form.weighted_sum(cache, part..2 * part, d, &weights, &mut out);
                 (scores, out)
             };
             assert_eq!(run(Vectors::Plain), run(vectors()), "{:?}", vectors());
         }
         // f16 holds these values exactly: both caches compute the same.
-        let f32_result = {
+        let run = |cache: &[Arc<KvBlock>], form: Vectors| {
             let mut scores = vec![0f32; rep * padded];
-            Vectors::Plain.scores(&buffers[0], 0..d * padded, &q, d, &mut scores, padded);
+            form.scores(cache, 0..part, &q, d, &mut scores, padded);
             scores
         };
-        let mut f16_scores = vec![0f32; rep * padded];
-        vectors().scores(&buffers[1], 0..d * padded, &q, d, &mut f16_scores, padded);
-        assert_eq!(f32_result, f16_scores);
+        assert_eq!(run(&caches[0], Vectors::Plain), run(&caches[1], vectors()));
     }
 
-    /// Scores and sums are the plain dot products and weighted sums, up to rounding.
+    /// Scores and sums over several blocks are the plain dot products and weighted sums, up to
+    /// rounding.
     #[test]
     fn scores_and_sums_are_what_they_say() {
-        let (d, blocks, rep) = (64, 2, 2);
-        let padded = blocks * KEY_BLOCK;
+        let (d, blocks_n, rep) = (64, 3, 2);
+        let padded = blocks_n * KEY_BLOCK;
         let key = |p: usize, c: usize| ((p * 31 + c * 7) % 13) as f32 - 6.0;
-        let mut keys = vec![0f32; padded * d];
-        let layout = KvLayout { slots: padded, head_dim: d };
-        for p in 0..padded {
-            for c in 0..d {
-                keys[layout.key(0, p, c)] = key(p, c);
-            }
-        }
+        let (cache, layout) = blocks(d, padded, false, key, |_, _| 0.0);
         let q: Vec<f32> = (0..rep * d).map(|i| (i % 5) as f32 - 2.0).collect();
         let mut scores = vec![0f32; rep * padded];
-        vectors().scores(&KvBuffer::F32(keys), 0..padded * d, &q, d, &mut scores, padded);
+        vectors().scores(&cache, 0..layout.part_len(), &q, d, &mut scores, padded);
         for h in 0..rep {
             for p in 0..padded {
                 let want: f32 = (0..d).map(|c| q[h * d + c] * key(p, c)).sum();
@@ -547,16 +613,17 @@ mod tests {
             }
         }
         for d in [64, 80] {
-            let rows: Vec<f32> = (0..5 * d).map(|i| (i % 9) as f32).collect();
-            let weights = [0.5, 0.25, 1.0, 2.0, 0.125];
+            let value = |p: usize, c: usize| ((p * d + c) % 9) as f32;
+            // 21 positions: the rows run into a second block.
+            let weights: Vec<f32> = (0..21).map(|j| [0.5, 0.25, 1.0, 2.0, 0.125][j % 5]).collect();
+            let (cache, layout) = blocks(d, weights.len(), false, |_, _| 0.0, value);
             let mut out = vec![9f32; d];
-            vectors().weighted_sum(&KvBuffer::F32(rows.clone()), 0..5 * d, d, &weights, &mut out);
+            let part = layout.part_len();
+            vectors().weighted_sum(&cache, part..2 * part, d, &weights, &mut out);
             for c in 0..d {
-                let want: f32 = weights.iter().enumerate().map(|(j, w)| w * rows[j * d + c]).sum();
+                let want: f32 = weights.iter().enumerate().map(|(j, w)| w * value(j, c)).sum();
                 assert_eq!(out[c], want, "d {d} column {c}");
             }
         }
     }
 }
-
-

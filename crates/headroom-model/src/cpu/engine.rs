@@ -1,8 +1,11 @@
 //! The CPU model: the Llama-family decoder of `model.rs`, computed on packed weights with the
 //! kernels of this module instead of burn's tensors.
 
+use std::sync::Arc;
+
 use half::f16;
-use super::attention::{self, attend, KvBuffer, KvLayout, Query, KEY_BLOCK};
+use super::attention::{self, attend, KvBlock, KvBuffer, KvLayout, Query, KEY_BLOCK};
+use super::prefix::PrefixCache;
 use super::matrix::{multiply_all, Activations, Bytes, PackedMatrix};
 use super::team::Team;
 use crate::config::LlamaConfig;
@@ -87,6 +90,12 @@ pub struct CpuModel {
     rope_pairs: RopePairs,
     inv_freq: Vec<f64>,
     pub kv_precision: KvPrecision,
+    /// Blocks of earlier sequences' caches, for requests that begin the same way. Empty (and
+    /// off) unless set: a worker sizes it from its options.
+    pub prefix_cache: PrefixCache,
+    /// Allocate every block of a new cache at once, as a contiguous cache would: what
+    /// `headroom calibrate` measures the workspace beside, since admission reserves the whole.
+    pub preallocate_kv: bool,
 }
 
 impl std::fmt::Debug for CpuModel {
@@ -244,6 +253,8 @@ impl CpuModel {
             rope_pairs,
             inv_freq: config.rope_inv_freq(),
             kv_precision: KvPrecision::default(),
+            prefix_cache: PrefixCache::default(),
+            preallocate_kv: false,
         })
     }
 
@@ -269,22 +280,55 @@ impl CpuModel {
         }
     }
 
-    /// A KV cache for `capacity` tokens at the model's configured precision.
+    /// An empty KV cache for `capacity` tokens at the model's configured precision: its blocks
+    /// are allocated as positions are written.
     pub fn new_cache(&self, capacity: usize) -> CpuCache {
-        let (kvh, d) = (self.config.kv_heads(), self.config.head_dim());
-        let slots = CpuCache::slots(capacity);
-        let per_layer = kvh * slots * d;
-        let buffer = || match self.kv_precision {
-            KvPrecision::F32 => KvBuffer::F32(vec![0.0; per_layer]),
-            KvPrecision::F16 => KvBuffer::F16(vec![f16::ZERO; per_layer]),
-        };
-        CpuCache {
-            keys: (0..self.layers.len()).map(|_| buffer()).collect(),
-            values: (0..self.layers.len()).map(|_| buffer()).collect(),
-            layout: KvLayout { slots, head_dim: d },
+        let mut cache = CpuCache {
+            blocks: Vec::new(),
+            layout: KvLayout { kv_heads: self.config.kv_heads(), head_dim: self.config.head_dim() },
+            layers: self.layers.len(),
+            precision: self.kv_precision,
             len: 0,
             capacity,
+        };
+        if self.preallocate_kv {
+            cache.blocks = (0..capacity.div_ceil(KEY_BLOCK)).map(|_| cache.new_block()).collect();
         }
+        cache
+    }
+
+    /// A KV cache for `capacity` tokens that already holds what the prefix cache has of
+    /// `prompt`'s beginning (whole blocks, never the last token, whose logits the request
+    /// needs): its `len` says how many of the prompt's tokens need no feeding. Only where a
+    /// prompt's keys and values come out the same whatever chunks feed it
+    /// ([`Self::prefill_is_chunk_invariant`]): a request's tokens never depend on what ran
+    /// before it.
+    pub fn cache_for_prompt(&self, prompt: &[u32], capacity: usize) -> CpuCache {
+        let mut cache = self.new_cache(capacity);
+        if self.prefill_is_chunk_invariant() {
+            cache.blocks = self.prefix_cache.lookup(prompt);
+            cache.len = cache.blocks.len() * KEY_BLOCK;
+        }
+        cache
+    }
+
+    /// Hands a finished sequence's cache to the prefix cache; `tokens` are the ones it holds,
+    /// in order (its prompt, then what it generated).
+    pub fn retire(&self, cache: &mut CpuCache, tokens: &[u32]) {
+        let blocks = std::mem::take(&mut cache.blocks);
+        if self.prefill_is_chunk_invariant() {
+            self.prefix_cache.insert(&tokens[..cache.len.min(tokens.len())], &blocks);
+        }
+        cache.len = 0;
+    }
+
+    /// Whether every layer's products take the same steps for a token whatever else shares
+    /// its call (the repacked Q4_0/Q4_1/Q8_0 kernel): then keys and values computed in one
+    /// request's prefill chunks are bit for bit those another request's chunks would compute.
+    /// The prefill tiles of other types add in another order than the row kernels that feed
+    /// short chunks, so there a reused prefix could change a later token.
+    pub fn prefill_is_chunk_invariant(&self) -> bool {
+        self.layers.iter().all(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down].iter().all(|m| m.is_interleaved()))
     }
 
     /// Feeds `tokens` at position `cache.len` and returns the logits of the last one.
@@ -464,12 +508,7 @@ impl CpuModel {
                 .iter()
                 .flat_map(|s| {
                     let cache = &*s.cache;
-                    (0..s.tokens.len()).map(move |t| Query {
-                        keys: &cache.keys[li],
-                        values: &cache.values[li],
-                        layout: cache.layout,
-                        seen: cache.len + t + 1,
-                    })
+                    (0..s.tokens.len()).map(move |t| Query { blocks: &cache.blocks, layout: cache.layout, layer: li, seen: cache.len + t + 1 })
                 })
                 .collect();
             attend(&queries, nh, kvh, d, &q, &mut attn, team);
@@ -542,13 +581,15 @@ fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f64, out: &mut [f32]) {
     }
 }
 
-/// Keys and values of every layer, allocated once for the request (prompt + max_tokens, rounded
-/// up to whole key blocks) so a running generation never grows its memory. Layout:
-/// [`super::attention`].
+/// A sequence's keys and values: a table of blocks of [`KEY_BLOCK`] positions of every layer
+/// (layout: [`super::attention`]), allocated as positions are written, up to `capacity`
+/// (prompt + max_tokens), which admission reserved. Blocks of a prefix another sequence
+/// computed are shared with it; a write into a shared block copies it first.
 pub struct CpuCache {
-    keys: Vec<KvBuffer>,
-    values: Vec<KvBuffer>,
+    blocks: Vec<Arc<KvBlock>>,
     layout: KvLayout,
+    layers: usize,
+    precision: KvPrecision,
     /// Tokens already stored.
     pub len: usize,
     pub capacity: usize,
@@ -565,13 +606,32 @@ impl CpuCache {
         2 * config.num_hidden_layers * config.kv_heads() * config.head_dim() * Self::slots(capacity) * precision.bytes_per_value()
     }
 
+    fn new_block(&self) -> Arc<KvBlock> {
+        let values = self.layout.block_len(self.layers);
+        Arc::new(KvBlock(match self.precision {
+            KvPrecision::F32 => KvBuffer::F32(vec![0.0; values]),
+            KvPrecision::F16 => KvBuffer::F16(vec![f16::ZERO; values]),
+        }))
+    }
+
+    /// Bytes of the blocks this cache holds now (some may be shared).
+    pub fn resident_bytes(&self) -> usize {
+        self.blocks.iter().map(|b| b.bytes()).sum()
+    }
+
     /// Stores the keys and values (`[n, kvh, d]` each) of positions `start..start + n`.
     #[allow(clippy::too_many_arguments)]
     fn write(&mut self, layer: usize, start: usize, n: usize, kvh: usize, d: usize, k: &[f32], v: &[f32]) {
         for t in 0..n {
+            let p = start + t;
+            while self.blocks.len() <= p / KEY_BLOCK {
+                let block = self.new_block();
+                self.blocks.push(block);
+            }
+            let KvBlock(block) = Arc::make_mut(&mut self.blocks[p / KEY_BLOCK]);
             for g in 0..kvh {
                 let at = (t * kvh + g) * d..(t * kvh + g + 1) * d;
-                self.layout.write(&mut self.keys[layer], &mut self.values[layer], g, start + t, &k[at.clone()], &v[at]);
+                self.layout.write(block, layer, g, p % KEY_BLOCK, &k[at.clone()], &v[at]);
             }
         }
     }

@@ -13,7 +13,8 @@
 //!   product);
 //! - `attention`: causal attention over the KV cache (query heads of a KV head together, keys
 //!   in blocks of 16 positions), and the vector `exp`;
-//! - [`engine`]: the decoder on top ([`CpuModel`], [`CpuCache`]).
+//! - [`engine`]: the decoder on top ([`CpuModel`], [`CpuCache`]: a table of KV blocks);
+//! - [`prefix`]: blocks of earlier requests' caches, reused by requests that begin the same way.
 //!
 //! - `neon`: the aarch64 kernels (the scalar reference's arithmetic, 16 bytes at a time).
 //!
@@ -26,6 +27,7 @@ pub mod dot;
 pub mod engine;
 pub mod interleave;
 pub mod matrix;
+pub mod prefix;
 pub mod team;
 pub mod tile;
 #[cfg(target_arch = "x86_64")]
@@ -36,7 +38,9 @@ mod avx512;
 mod neon;
 
 pub use attention::KEY_BLOCK;
+pub use attention::KvBlock;
 pub use engine::{CpuCache, CpuModel, KvPrecision, RopePairs};
+pub use prefix::{PrefixCache, PrefixStats};
 pub use matrix::{Activations, Bytes, PackedMatrix};
 
 /// Sequential read bandwidth of main memory in bytes/s with the pool's threads: the best of five

@@ -61,7 +61,14 @@ impl Dispatcher {
         // The CPU worker's weights as it reports holding them (packed GGUF tensors stay packed),
         // so the predicted budget is what requests can have beside the loaded model, not only
         // what the OS sees free.
-        let cpu_weights = self.inner.supervisor.cpu_worker().and_then(|w| w.memory().borrow().as_ref().map(|r| r.weights_bytes)).unwrap_or(0);
+        // Its prefix cache holds blocks of finished requests beside them (at most its
+        // configured size).
+        let cpu_weights = self
+            .inner
+            .supervisor
+            .cpu_worker()
+            .and_then(|w| w.memory().borrow().as_ref().map(|r| r.weights_bytes + r.prefix_cache.map_or(0, |p| p.bytes)))
+            .unwrap_or(0);
         // A split GPU worker holds its CPU part's weights in host RAM too.
         let split_weights = self.inner.supervisor.gpu_worker().and_then(|w| w.memory().borrow().as_ref().map(|r| r.host_weights_bytes)).unwrap_or(0);
         Budget {

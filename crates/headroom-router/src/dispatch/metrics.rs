@@ -43,6 +43,11 @@ impl Dispatcher {
             m.host_available_bytes.set(bytes(host.available_bytes));
         }
         m.host_reserved_bytes.set(bytes(inner.host_ledger.held_bytes()));
+        if let Some(p) = inner.supervisor.cpu_worker().and_then(|w| w.memory().borrow().as_ref().and_then(|r| r.prefix_cache)) {
+            m.prefix_cache_bytes.set(bytes(p.bytes));
+            m.prefix_cache_looked_up_tokens.set(bytes(p.looked_up_tokens));
+            m.prefix_cache_reused_tokens.set(bytes(p.reused_tokens));
+        }
         m.encode()
     }
 

@@ -67,6 +67,8 @@ pub struct ServiceStatus {
     pub gpu_memory: Option<MemoryReading>,
     /// What admission works with on the GPU now (None while it takes no requests).
     pub gpu_budget: Option<Budget>,
+    /// The CPU worker's prefix cache, from its last memory reading.
+    pub cpu_prefix_cache: Option<headroom_model::cpu::PrefixStats>,
 }
 
 impl ServiceStatus {
@@ -153,6 +155,7 @@ impl Dispatcher {
             estimated_delay_ms: self.estimated_delay_ms(),
             gpu_memory,
             gpu_budget: self.gpu_budget(),
+            cpu_prefix_cache: s.cpu_worker().and_then(|w| w.memory().borrow().as_ref().and_then(|r| r.prefix_cache)),
         }
     }
 

@@ -56,6 +56,10 @@ pub struct RunOutcome {
     pub text: String,
     pub finish_reason: FinishReason,
     pub prompt_tokens: u32,
+    /// Prompt tokens of the attempt that finished whose keys and values its worker kept from
+    /// an earlier request (see `headroom_model::cpu::prefix`).
+    #[serde(default)]
+    pub cached_prompt_tokens: u32,
     pub completion_tokens: u32,
     /// Prefill (and checkpoint replay) time of the attempt that finished.
     pub prefill_ms: f64,
@@ -205,6 +209,7 @@ impl Supervisor {
             text: std::mem::take(&mut progress.delivered_text),
             finish_reason: done.finish_reason,
             prompt_tokens: done.prompt_tokens,
+            cached_prompt_tokens: done.cached_prompt_tokens,
             completion_tokens: done.completion_tokens,
             prefill_ms: done.prefill_ms,
             decode_ms: done.decode_ms,
@@ -258,6 +263,7 @@ impl Supervisor {
 struct Finished {
     finish_reason: FinishReason,
     prompt_tokens: u32,
+    cached_prompt_tokens: u32,
     completion_tokens: u32,
     prefill_ms: f64,
     decode_ms: f64,
@@ -297,11 +303,11 @@ async fn relay(
                 progress.delivered_token(token, &text, eos, rng_word_pos);
                 on_token(&StreamedToken { index, token, text, device });
             }
-            FromWorker::Done { finish_reason, prompt_tokens, completion_tokens, prefill_ms, decode_ms, embedding, .. } => {
+            FromWorker::Done { finish_reason, prompt_tokens, cached_prompt_tokens, completion_tokens, prefill_ms, decode_ms, embedding, .. } => {
                 if run.request.embed && embedding.is_none() {
                     return Ok(Relayed::Failed { kind: FailureKind::Internal, message: format!("the {device} worker answered an embedding without a vector"), replayable: true });
                 }
-                return Ok(Relayed::Done(Finished { finish_reason, prompt_tokens, completion_tokens, prefill_ms, decode_ms, embedding }));
+                return Ok(Relayed::Done(Finished { finish_reason, prompt_tokens, cached_prompt_tokens, completion_tokens, prefill_ms, decode_ms, embedding }));
             }
             FromWorker::Failed { kind, message, replayable, checkpoint, .. } => {
                 progress.adopt_checkpoint(checkpoint);

@@ -166,6 +166,7 @@ impl Link {
             request_id: job.request_id.clone(),
             finish_reason: FinishReason::Length,
             prompt_tokens: request.prompt_tokens.len() as u32,
+            cached_prompt_tokens: 0,
             completion_tokens: generated.len() as u32,
             prefill_ms: 0.0,
             decode_ms: 0.0,
