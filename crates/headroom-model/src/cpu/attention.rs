@@ -365,11 +365,12 @@ fn scores_body<L: Lanes>(pages: &[L], q: &[f32], d: usize, scores: &mut [f32], s
     for (h, qh) in q.chunks_exact(d).enumerate() {
         let scores = &mut scores[h * stride..];
         // The first head brings the blocks in for the rest.
-        let next = |b: usize| if h == 0 { pages.get(b).copied() } else { None };
+        let ahead = if h == 0 { pages } else { &[] };
         // Two blocks at a time: eight independent chains keep the multiply-adds overlapping.
         let mut b = 0;
         while b + 2 <= blocks {
-            score_blocks::<2, L>([pages[b], pages[b + 1]], [next(b + 2), next(b + 3)], qh, &mut scores[b * KEY_BLOCK..(b + 2) * KEY_BLOCK]);
+            let next = [ahead.get(b + 2).copied(), ahead.get(b + 3).copied()];
+            score_blocks::<2, L>([pages[b], pages[b + 1]], next, qh, &mut scores[b * KEY_BLOCK..(b + 2) * KEY_BLOCK]);
             b += 2;
         }
         if b < blocks {
@@ -425,33 +426,15 @@ const SUM_WIDTH: usize = 64;
 fn weighted_sum_body<L: Lanes>(pages: &[L], d: usize, weights: &[f32], out: &mut [f32]) {
     let whole = d / SUM_WIDTH * SUM_WIDTH;
     let ahead = (AHEAD_BYTES / std::mem::size_of::<f32>() / d).max(1);
-    let row = |j: usize| (pages[j / KEY_BLOCK], (j % KEY_BLOCK) * d);
     for at in (0..whole).step_by(SUM_WIDTH) {
         let (mut even, mut odd) = ([0f32; SUM_WIDTH], [0f32; SUM_WIDTH]);
-        let add = |acc: &mut [f32; SUM_WIDTH], j: usize, w: f32| {
-            if at == 0 {
-                if let Some(page) = pages.get((j + ahead) / KEY_BLOCK) {
-                    let first = (j + ahead) % KEY_BLOCK * d;
-                    for line in (0..d).step_by(16) {
-                        page.prefetch(first + line);
-                    }
-                }
-            }
-            let (page, first) = row(j);
-            for part in 0..SUM_WIDTH / 16 {
-                let v = page.load16(first + at + 16 * part);
-                for l in 0..16 {
-                    acc[16 * part + l] = w.mul_add(v[l], acc[16 * part + l]);
-                }
-            }
-        };
         let pairs = weights.len() / 2;
         for j in 0..pairs {
-            add(&mut even, 2 * j, weights[2 * j]);
-            add(&mut odd, 2 * j + 1, weights[2 * j + 1]);
+            add_row(pages, d, at, ahead, &mut even, 2 * j, weights[2 * j]);
+            add_row(pages, d, at, ahead, &mut odd, 2 * j + 1, weights[2 * j + 1]);
         }
         if weights.len() % 2 == 1 {
-            add(&mut even, 2 * pairs, weights[2 * pairs]);
+            add_row(pages, d, at, ahead, &mut even, 2 * pairs, weights[2 * pairs]);
         }
         for l in 0..SUM_WIDTH {
             out[at + l] = even[l] + odd[l];
@@ -462,7 +445,7 @@ fn weighted_sum_body<L: Lanes>(pages: &[L], d: usize, weights: &[f32], out: &mut
         let rest = d - whole;
         let mut chains = vec![0f32; 2 * rest];
         for (j, &w) in weights.iter().enumerate() {
-            let (page, first) = row(j);
+            let (page, first) = (pages[j / KEY_BLOCK], j % KEY_BLOCK * d);
             let chain = &mut chains[(j % 2) * rest..(j % 2 + 1) * rest];
             for (i, o) in chain.iter_mut().enumerate() {
                 *o = w.mul_add(page.get(first + whole + i), *o);
@@ -470,6 +453,29 @@ fn weighted_sum_body<L: Lanes>(pages: &[L], d: usize, weights: &[f32], out: &mut
         }
         for i in 0..rest {
             out[whole + i] = chains[i] + chains[rest + i];
+        }
+    }
+}
+
+/// `acc += w · row j`, columns `at..at + SUM_WIDTH`; on the first columns, asks for the lines
+/// of the row `ahead` rows on. A function, not a closure: a closure is not always inlined into
+/// the width's compiled copy, and outside it a multiply-add is a library call.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn add_row<L: Lanes>(pages: &[L], d: usize, at: usize, ahead: usize, acc: &mut [f32; SUM_WIDTH], j: usize, w: f32) {
+    if at == 0 {
+        if let Some(page) = pages.get((j + ahead) / KEY_BLOCK) {
+            let first = (j + ahead) % KEY_BLOCK * d;
+            for line in (0..d).step_by(16) {
+                page.prefetch(first + line);
+            }
+        }
+    }
+    let (page, first) = (pages[j / KEY_BLOCK], j % KEY_BLOCK * d);
+    for part in 0..SUM_WIDTH / 16 {
+        let v = page.load16(first + at + 16 * part);
+        for l in 0..16 {
+            acc[16 * part + l] = w.mul_add(v[l], acc[16 * part + l]);
         }
     }
 }
