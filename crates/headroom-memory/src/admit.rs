@@ -74,6 +74,27 @@ impl Admission {
     }
 }
 
+/// A decision made with the `host` budget as it is; when that refuses and `droppable` bytes
+/// counted in it are a cache its holder can drop at once (the CPU worker's prefix cache of KV
+/// blocks), the decision as if they were free, with `true`: drop them. A cache gives way
+/// before a request is refused.
+pub fn decide_dropping(host: &Budget, droppable: u64, decide: impl Fn(&Budget) -> Admission) -> (Admission, bool) {
+    let admission = decide(host);
+    // Test-only: the cache is kept and the request refused.
+    if !admission.is_refused() || droppable == 0 || headroom_model::test_defect("prefix-cache-before-requests") {
+        return (admission, false);
+    }
+    let freed = Budget {
+        weights_bytes: host.weights_bytes.saturating_sub(droppable),
+        observed_free_bytes: host.observed_free_bytes.map(|f| f + droppable),
+        ..*host
+    };
+    match decide(&freed) {
+        retry if !retry.is_refused() => (retry, true),
+        _ => (admission, false),
+    }
+}
+
 /// What the caller allows for this request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Allowances {

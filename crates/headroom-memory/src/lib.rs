@@ -10,7 +10,7 @@ pub mod ledger;
 pub mod observe;
 pub mod split;
 
-pub use admit::{thousands, Admission, Allowances, Budget, Planner};
+pub use admit::{decide_dropping, thousands, Admission, Allowances, Budget, Planner};
 pub use calibration::{planner_for, CalibrationEntry, CalibrationFile, ResolvedCalibration};
 pub use config::MemoryConfig;
 pub use footprint::{Calibration, Footprint, ModelShape, RequestShape, WorkspaceSample, GIB, MIB};

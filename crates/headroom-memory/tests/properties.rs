@@ -210,3 +210,30 @@ fn host_ram_admission_counts_the_cpu_kv_cache_precision() {
     let d = f32_cache.decide_without_gpu(why, request, Allowances::default(), &host);
     assert!(matches!(d, Admission::Refuse { .. }), "f32: {d:?}");
 }
+
+/// The CPU worker's prefix cache gives way before a request is refused: with host RAM that the
+/// cache's bytes fill, the request is admitted to the CPU and the cache must be dropped; with
+/// room to spare, nothing is dropped; where dropping would not help, the refusal stands.
+#[test]
+fn a_prefix_cache_is_dropped_before_a_request_is_refused() {
+    let request = RequestShape { prompt_tokens: 1000, max_tokens: 1000, prefill_chunk: 512 };
+    let planner = planner();
+    let needs = planner.host_footprint(request).request_bytes();
+    let cache = 2 * needs;
+    let decide = |host: &Budget| planner.decide_without_gpu("no healthy GPU", request, Allowances::default(), host);
+    // The weights and the cache leave half of what the request needs.
+    let host = Budget { total_bytes: GIB + 8 * GIB + cache + needs / 2, reserve_bytes: GIB, weights_bytes: 8 * GIB + cache, held_bytes: 0, observed_free_bytes: Some(cache + needs / 2 + GIB) };
+    let (d, drop) = headroom_memory::decide_dropping(&host, cache, decide);
+    assert!(matches!(d, Admission::Cpu { .. }) && drop, "a cache that holds the room: {d:?}, drop {drop}");
+    let roomy = Budget { total_bytes: host.total_bytes + 2 * needs, observed_free_bytes: host.observed_free_bytes.map(|f| f + 2 * needs), ..host };
+    let (d, drop) = headroom_memory::decide_dropping(&roomy, cache, decide);
+    assert!(matches!(d, Admission::Cpu { .. }) && !drop, "room to spare: {d:?}, drop {drop}");
+    let (d, drop) = headroom_memory::decide_dropping(&host, needs / 4, decide);
+    assert!(matches!(d, Admission::Refuse { .. }) && !drop, "a cache too small to help: {d:?}, drop {drop}");
+}
+
+/// Its negative control: a cache kept before requests gets the request refused.
+#[test]
+fn a_prefix_cache_kept_before_requests_refuses_them() {
+    headroom_model::assert_control_fails("a_prefix_cache_is_dropped_before_a_request_is_refused", "prefix-cache-before-requests", "a cache that holds the room");
+}

@@ -101,6 +101,10 @@ pub trait WorkerLink: Send + Sync {
     fn kill(&self);
     /// Asks it to end after its current frame.
     fn shutdown(&self) -> BoxFuture<'_, ()>;
+    /// Asks it to drop the KV blocks its prefix cache keeps (a worker without one: nothing).
+    fn drop_prefix_cache(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async { Ok(()) })
+    }
 }
 
 /// Starts workers: the supervisor's only way to get one.
@@ -258,6 +262,11 @@ impl Worker {
     /// worker instead of answering.
     pub async fn fault(&self, fault: Fault) -> Result<()> {
         self.link.fault(fault).await
+    }
+
+    /// Asks the worker to drop its prefix cache's blocks (see [`WorkerLink::drop_prefix_cache`]).
+    pub async fn drop_prefix_cache(&self) -> Result<()> {
+        self.link.drop_prefix_cache().await
     }
 
     /// The last memory reading the worker sent (health answers and periodic samples).
@@ -471,6 +480,10 @@ impl ProcessLink {
 impl WorkerLink for ProcessLink {
     fn generate(&self, job: GenerateJob) -> BoxFuture<'_, Result<mpsc::UnboundedReceiver<FromWorker>>> {
         Box::pin(self.generate_job(job))
+    }
+
+    fn drop_prefix_cache(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(self.send(&ToWorker::DropPrefixCache))
     }
 
     fn cancel<'a>(&'a self, request_id: &'a str) -> BoxFuture<'a, Result<()>> {

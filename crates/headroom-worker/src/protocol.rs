@@ -28,6 +28,9 @@ pub enum ToWorker {
     Probe { canary_bytes: u64 },
     /// Fault injection; only the `sim` device accepts it.
     Fault { fault: Fault },
+    /// Drop the blocks the CPU engine's prefix cache keeps (admission needs their host RAM for
+    /// a request); its next memory reading shows it. No answer.
+    DropPrefixCache,
     Shutdown,
 }
 

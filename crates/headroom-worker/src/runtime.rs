@@ -153,6 +153,13 @@ pub fn run(options: WorkerOptions, input: impl Read, output: impl Write + Send +
                 let reading = state.memory();
                 *state.latest_memory.lock().unwrap() = reading;
             }
+            ToWorker::DropPrefixCache => {
+                if let Some(Loaded { engine: Engine::Cpu(model), .. }) = state.loaded.lock().unwrap().as_deref() {
+                    model.prefix_cache.clear();
+                }
+                let reading = state.memory();
+                *state.latest_memory.lock().unwrap() = reading;
+            }
             ToWorker::Shutdown => return 0,
         }
     }

@@ -80,6 +80,24 @@ impl Dispatcher {
         }
     }
 
+    /// Host RAM the CPU worker's prefix cache holds (counted in [`Self::host_budget`]).
+    pub(super) fn cpu_prefix_cache_bytes(&self) -> u64 {
+        let worker = self.inner.supervisor.cpu_worker();
+        worker.and_then(|w| w.memory().borrow().as_ref().and_then(|r| r.prefix_cache).map(|p| p.bytes)).unwrap_or(0)
+    }
+
+    /// Tells the CPU worker to drop its prefix cache, whose host RAM admission just gave to
+    /// request `id`; the worker reads it before that request's job, which is sent later.
+    pub(super) fn drop_cpu_prefix_cache(&self, id: &str) {
+        let (Some(worker), Ok(runtime)) = (self.inner.supervisor.cpu_worker(), tokio::runtime::Handle::try_current()) else { return };
+        tracing::info!(request_id = id, "the CPU worker's prefix cache is dropped to make room for a request");
+        runtime.spawn(async move {
+            if let Err(e) = worker.drop_prefix_cache().await {
+                tracing::warn!(error = %e, "could not ask the CPU worker to drop its prefix cache");
+            }
+        });
+    }
+
     /// Waits (in the GPU lane, holding a GPU slot) until the request's GPU memory is granted.
     pub(super) async fn wait_for_gpu_memory(&self, sub: &Submission, queued_at: Instant, cancel: &CancelSignal) -> GpuWait {
         let inner = &self.inner;

@@ -118,11 +118,19 @@ impl Dispatcher {
         let _deciding = self.inner.gpu_grant.lock().unwrap();
         let gpu_budget = self.gpu_budget();
         let gpu_eta = self.inner.gpu.estimated_delay_ms();
-        let admission = if self.inner.supervisor.gpu_paused() && self.gpu_configured() {
-            self.planner().decide_without_gpu("the GPU is paused in settings", shape, allow, &self.host_budget())
-        } else {
-            self.planner().decide(shape, allow, gpu_budget.as_ref(), &self.host_budget(), |_| gpu_eta)
+        let paused = self.inner.supervisor.gpu_paused() && self.gpu_configured();
+        let planner = self.planner();
+        let decide = |host: &Budget| {
+            if paused {
+                planner.decide_without_gpu("the GPU is paused in settings", shape, allow, host)
+            } else {
+                planner.decide(shape, allow, gpu_budget.as_ref(), host, |_| gpu_eta)
+            }
         };
+        let (admission, drop_cache) = headroom_memory::decide_dropping(&self.host_budget(), self.cpu_prefix_cache_bytes(), decide);
+        if drop_cache {
+            self.drop_cpu_prefix_cache(id);
+        }
         let gpu_grant = match &admission {
             Admission::Gpu { .. } | Admission::Shrink { .. } => {
                 let max_tokens = match &admission {
