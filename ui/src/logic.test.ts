@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { apiEndpoints, applyChunk, tokenCount, workerLines, countdown, replyTiming, axisRange, degradedSpans, formatMiB, emptyReply, formatDelay, MemoryHistory, modelLine, placementLine, settingsForm, settingsPatch, splitSse, statusView } from "./logic";
+import { apiEndpoints, applyChunk, cpuKvLine, tokenCount, workerLines, countdown, replyTiming, axisRange, degradedSpans, formatMiB, emptyReply, formatDelay, MemoryHistory, modelLine, placementLine, settingsForm, settingsPatch, splitSse, statusView } from "./logic";
 
 const gpuWorker = { kind: "gpu", device: "sim", state: "ready", simulated: true };
 const cpuWorker = { kind: "cpu", device: "cpu", state: "ready", simulated: false };
@@ -238,6 +238,11 @@ describe("waits and speeds", () => {
     for (let i = 1; i <= 20; i++) r = applyChunk(r, { choices: [{ delta: { content: " x" } }] }, 2200 + i * 50);
     r = applyChunk(r, { choices: [{ delta: {}, finish_reason: "stop" }] }, 3200);
     expect(replyTiming(r)).toBe("first token after 1.2 s · 20.0 tokens/s");
+    // Every chunk in the same millisecond: the worker's measured decode time gives the speed.
+    let fast = emptyReply(1000);
+    for (let i = 0; i <= 20; i++) fast = applyChunk(fast, { choices: [{ delta: { content: " x" } }] }, 1300);
+    fast = applyChunk(fast, { choices: [{ delta: {}, finish_reason: "stop" }], headroom: { decode_ms: 100, failovers: [] } }, 1300);
+    expect(replyTiming(fast)).toBe("first token after 0.3 s · 200.0 tokens/s");
   });
 });
 
@@ -255,6 +260,13 @@ describe("workers side by side", () => {
       { lane: "CPU", text: "CPU: kjv-small · up to 3,000 tokens · 2 at a time · speed not measured yet" },
     ]);
     expect(tokenCount(131072)).toBe("128k");
+  });
+
+  it("says what the CPU KV cache holds against what was reserved, and the prompt cache's reuse", () => {
+    expect(cpuKvLine({ memory: {} })).toBeNull();
+    const memory = { cpu_kv_resident_bytes: 3.5 * 1048576, host_reserved_bytes: 12 * 1048576, cpu_prefix_cache: { capacity_blocks: 364, bytes: 2 * 1048576, hit_rate: 0.784 } };
+    expect(cpuKvLine({ memory })).toBe("CPU KV cache: 3.5 MiB in use, 12 MiB reserved for running requests; prompt cache 2.0 MiB, 78% of prompt tokens reused");
+    expect(cpuKvLine({ memory: { ...memory, cpu_prefix_cache: { capacity_blocks: 0, bytes: 0, hit_rate: 0 } } })).toBe("CPU KV cache: 3.5 MiB in use, 12 MiB reserved for running requests");
   });
 
   it("says on the reply when a fallback model answered", () => {

@@ -163,10 +163,13 @@ export interface Reply {
   firstTokenAt: number | null;
   doneAt: number | null;
   chunks: number;
+  /** The worker's own decode time, from the final chunk: the speed when every chunk arrived
+   *  within one millisecond here (a fast model whose stream the network delivered at once). */
+  decodeMs: number | null;
 }
 
 export function emptyReply(now = Date.now()): Reply {
-  return { requestId: null, text: "", device: null, degraded: false, notice: null, detail: null, fallbackModel: null, failovers: 0, queuedMs: null, done: false, cancelled: false, error: null, finishReason: null, startedAt: now, firstTokenAt: null, doneAt: null, chunks: 0 };
+  return { requestId: null, text: "", device: null, degraded: false, notice: null, detail: null, fallbackModel: null, failovers: 0, queuedMs: null, done: false, cancelled: false, error: null, finishReason: null, startedAt: now, firstTokenAt: null, doneAt: null, chunks: 0, decodeMs: null };
 }
 
 /** "first token after 1.2 s · 23 tokens/s": what the person waited and the speed they got,
@@ -175,8 +178,9 @@ export function replyTiming(r: Reply): string | null {
   if (r.firstTokenAt === null) return null;
   const seconds = (ms: number) => (ms < 10_000 ? `${(ms / 1000).toFixed(1)} s` : `${Math.round(ms / 1000)} s`);
   const parts = [`first token after ${seconds(r.firstTokenAt - r.startedAt)}`];
-  if (r.doneAt !== null && r.chunks > 1 && r.doneAt > r.firstTokenAt) {
-    parts.push(`${((r.chunks - 1) / ((r.doneAt - r.firstTokenAt) / 1000)).toFixed(1)} tokens/s`);
+  if (r.doneAt !== null && r.chunks > 1) {
+    const ms = r.doneAt > r.firstTokenAt ? r.doneAt - r.firstTokenAt : r.decodeMs;
+    if (ms) parts.push(`${((r.chunks - 1) / (ms / 1000)).toFixed(1)} tokens/s`);
   }
   return parts.join(" · ");
 }
@@ -234,6 +238,7 @@ export function applyChunk(reply: Reply, chunk: Json, now = Date.now()): Reply {
       }
     }
     if (typeof h.queued_ms === "number") next.queuedMs = h.queued_ms;
+    if (typeof h.decode_ms === "number" && h.decode_ms > 0) next.decodeMs = h.decode_ms;
   }
   const choice = chunk.choices?.[0];
   if (choice) {
@@ -433,6 +438,22 @@ export function tokenCount(n: number): string {
 /** Each worker as a person compares them: its model, context limit, how many requests it runs
  *  at once and its measured decode speed ("CPU: kjv-demo · up to 1k tokens · 4 at a time ·
  *  320 tokens/s"), from `/v1/status`. */
+/** The CPU worker's KV cache: what its blocks hold now against what admission reserved for
+ *  its requests, and its prompt cache (finished requests' blocks kept for prompts that begin
+ *  the same way) with the share of looked-up prompt tokens it held. Null before a reading. */
+export function cpuKvLine(status: Json): string | null {
+  const memory = status.memory ?? {};
+  const resident = memory.cpu_kv_resident_bytes;
+  if (typeof resident !== "number") return null;
+  const mib = (b: number) => formatMiB(b / 1048576);
+  let line = `CPU KV cache: ${mib(resident)} in use, ${mib(memory.host_reserved_bytes ?? 0)} reserved for running requests`;
+  const prefix = memory.cpu_prefix_cache;
+  if (prefix && prefix.capacity_blocks > 0) {
+    line += `; prompt cache ${mib(prefix.bytes)}, ${Math.round(100 * (prefix.hit_rate ?? 0))}% of prompt tokens reused`;
+  }
+  return line;
+}
+
 export function workerLines(status: Json): { lane: string; text: string }[] {
   const workers: Json[] = status.workers ?? [];
   const queues: Json[] = Array.isArray(status.queues) ? status.queues : [];
