@@ -73,13 +73,18 @@ def test_a_chat_second_turn_reuses_the_first_turns_cache_and_answers_the_same():
             again = chat_turns(client, first.choices[0].message.content)
             cached = [r.usage.prompt_tokens_details.cached_tokens for r in (first, second, again)]
             answers[cache_mib] = (first.choices[0].message.content, second.choices[0].message.content, again.choices[0].message.content)
-            # The worker reports its cache with its memory, once a second.
+            # The worker reports its cache with its memory, once a second. With nothing
+            # running, the KV blocks alive are the prefix cache's: none leaked.
             deadline = time.monotonic() + 10
             while True:
-                prefix = server.status()["memory"]["cpu_prefix_cache"]
-                if prefix["reused_tokens"] >= sum(cached) or time.monotonic() > deadline:
+                memory = server.status()["memory"]
+                prefix = memory["cpu_prefix_cache"]
+                settled = prefix["reused_tokens"] >= sum(cached) and memory["cpu_kv_resident_bytes"] == prefix["bytes"]
+                if settled or time.monotonic() > deadline:
                     break
                 time.sleep(0.2)
+            assert memory["cpu_kv_resident_bytes"] == prefix["bytes"], (memory["cpu_kv_resident_bytes"], prefix)
+            assert memory["host_reserved_bytes"] == 0, memory
             metrics = httpx.get(server.url + "/metrics", timeout=10).text
             if cache_mib == 0:
                 assert cached == [0, 0, 0], cached

@@ -148,3 +148,35 @@ fn a_second_turn_reuses_the_first_and_generates_the_same() {
     assert_eq!(stats.blocks, 4, "{stats:?}");
     assert!(stats.evicted_blocks > 0, "{stats:?}");
 }
+
+/// The model counts the KV blocks alive once each, however many caches hold them: a running
+/// sequence's blocks, those the prefix cache keeps after it ends, the ones two sequences share;
+/// none outlive their last holder.
+#[test]
+fn resident_kv_counts_each_live_block_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = q8_file(dir.path());
+    let mut model = bundle.load_cpu(|_, _| {}).unwrap();
+    let block = headroom_model::cpu::CpuCache::bytes(&bundle.config, KEY_BLOCK, model.kv_precision);
+    let prompt = tokens(1, 40);
+    let mut cache = model.new_cache(48);
+    model.step(&prompt, &mut cache);
+    assert_eq!(model.kv_resident_bytes(), 3 * block, "40 positions: three blocks");
+    assert_eq!(cache.resident_bytes(), 3 * block);
+    drop(cache);
+    assert_eq!(model.kv_resident_bytes(), 0, "blocks outlived their cache");
+    if !model.prefill_is_chunk_invariant() {
+        return;
+    }
+    model.prefix_cache = PrefixCache::new(64);
+    feed(&model, &prompt);
+    assert_eq!(model.kv_resident_bytes(), 2 * block, "the prefix cache keeps the two whole blocks");
+    // Two sequences reuse both and add a block each.
+    let (mut a, mut b) = (model.cache_for_prompt(&prompt, 48), model.cache_for_prompt(&prompt, 48));
+    model.step(&prompt[a.len..], &mut a);
+    model.step(&prompt[b.len..], &mut b);
+    assert_eq!(model.kv_resident_bytes(), 4 * block, "shared blocks counted once");
+    drop((a, b));
+    model.prefix_cache.clear();
+    assert_eq!(model.kv_resident_bytes(), 0);
+}

@@ -595,6 +595,10 @@ fn status_body(state: &AppState) -> StatusBody {
         "vram_reserve_bytes": s.gpu_budget.map(|b| b.reserve_bytes),
         "gpu_held_bytes": s.gpu_budget.map(|b| b.held_bytes),
         "host": headroom_memory::observe::host_memory(),
+        // Host RAM admission reserved for CPU-path requests, and the CPU worker's KV blocks
+        // alive: reserved against used.
+        "host_reserved_bytes": s.host_reserved_bytes,
+        "cpu_kv_resident_bytes": s.cpu_kv_resident_bytes,
         // Finished requests' KV blocks the CPU worker keeps for prompts that begin the same way.
         "cpu_prefix_cache": s.cpu_prefix_cache.map(|p| {
             let mut value = serde_json::to_value(p).unwrap_or_default();

@@ -205,6 +205,10 @@ pub struct MemoryReading {
     /// reservations, and its hits.
     #[serde(default)]
     pub prefix_cache: Option<headroom_model::cpu::PrefixStats>,
+    /// The CPU engine's KV blocks alive now (running requests' and the prefix cache's, a
+    /// shared block once): what its requests' reservations hold in fact.
+    #[serde(default)]
+    pub kv_resident_bytes: Option<u64>,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -253,7 +253,8 @@ impl State {
                     let mut model = bundle.load_cpu(|_, _| {})?;
                     model.kv_precision = self.options.kv_cache;
                     let block_bytes = headroom_model::cpu::CpuCache::bytes(&bundle.config, headroom_model::cpu::KEY_BLOCK, model.kv_precision) as u64;
-                    let blocks = self.options.prefix_cache_mib * headroom_memory::MIB / block_bytes.max(1);
+                    // Off where a reused prefix could change a reply (see `prefill_is_chunk_invariant`).
+                    let blocks = if model.prefill_is_chunk_invariant() { self.options.prefix_cache_mib * headroom_memory::MIB / block_bytes.max(1) } else { 0 };
                     model.prefix_cache = headroom_model::cpu::PrefixCache::new(blocks as usize);
                     Ok(Engine::Cpu(model))
                 }
@@ -352,12 +353,13 @@ impl State {
             Some(Engine::CudaSplit(model, _)) => model.cpu_weight_bytes() as u64,
             _ => 0,
         };
-        let prefix_cache = match (loaded.as_ref().map(|l| &l.engine), self.options.device) {
-            (Some(Engine::Cpu(model)), Device::Cpu) => Some(model.prefix_cache.stats()),
-            _ => None,
+        let (prefix_cache, kv_resident_bytes) = match (loaded.as_ref().map(|l| &l.engine), self.options.device) {
+            (Some(Engine::Cpu(model)), Device::Cpu) => (Some(model.prefix_cache.stats()), Some(model.kv_resident_bytes() as u64)),
+            _ => (None, None),
         };
         let mut reading = MemoryReading {
             prefix_cache,
+            kv_resident_bytes,
             device: self.options.device.label(),
             simulated: self.options.device == Device::Sim,
             weights_bytes,

@@ -43,12 +43,44 @@ pub(super) enum KvBuffer {
 /// [`KvLayout::keys_at`]: its keys (`[head_dim][KEY_BLOCK]`, position innermost), then its
 /// values (`[KEY_BLOCK][head_dim]`, a row per position).
 #[derive(Clone)]
-pub struct KvBlock(pub(super) KvBuffer);
+pub struct KvBlock {
+    pub(super) values: KvBuffer,
+    /// Counts the block in its model's resident KV bytes while it lives.
+    pub(super) _live: Tally,
+}
+
+/// Bytes of live blocks, shared by every block a model allocated: each block adds its bytes
+/// while it lives (a copy adds its own), however many sequences and caches hold it.
+#[derive(Debug, Default)]
+pub struct Tally {
+    bytes: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    own: usize,
+}
+
+impl Tally {
+    /// Counts `own` bytes in `bytes` until dropped.
+    pub(super) fn count(bytes: &std::sync::Arc<std::sync::atomic::AtomicUsize>, own: usize) -> Self {
+        bytes.fetch_add(own, std::sync::atomic::Ordering::Relaxed);
+        Self { bytes: bytes.clone(), own }
+    }
+}
+
+impl Clone for Tally {
+    fn clone(&self) -> Self {
+        Self::count(&self.bytes, self.own)
+    }
+}
+
+impl Drop for Tally {
+    fn drop(&mut self) {
+        self.bytes.fetch_sub(self.own, std::sync::atomic::Ordering::Relaxed);
+    }
+}
 
 impl KvBlock {
     /// Bytes the block holds.
     pub fn bytes(&self) -> usize {
-        match &self.0 {
+        match &self.values {
             KvBuffer::F32(b) => b.len() * 4,
             KvBuffer::F16(b) => b.len() * 2,
         }
@@ -244,11 +276,11 @@ impl<const W: u8> Lanes for F16Lanes<'_, W> {
 /// head's keys or values. A cache holds one precision.
 macro_rules! with_pages {
     ($blocks:expr, $range:expr, $w:literal, |$pages:ident| $body:expr) => {
-        match &$blocks[0].0 {
+        match &$blocks[0].values {
             KvBuffer::F32(_) => {
                 let $pages: Vec<F32Lanes> = $blocks
                     .iter()
-                    .map(|b| match &b.0 {
+                    .map(|b| match &b.values {
                         KvBuffer::F32(b) => F32Lanes(&b[$range.clone()]),
                         KvBuffer::F16(_) => unreachable!("one precision per cache"),
                     })
@@ -258,7 +290,7 @@ macro_rules! with_pages {
             KvBuffer::F16(_) => {
                 let $pages: Vec<F16Lanes<'_, $w>> = $blocks
                     .iter()
-                    .map(|b| match &b.0 {
+                    .map(|b| match &b.values {
                         KvBuffer::F16(b) => F16Lanes::<'_, $w>(&b[$range.clone()]),
                         KvBuffer::F32(_) => unreachable!("one precision per cache"),
                     })
@@ -567,7 +599,7 @@ mod tests {
                     let v: Vec<f32> = (0..d).map(|c| value(p, c)).collect();
                     layout.write(&mut buffer, 0, 0, p % KEY_BLOCK, &k, &v);
                 }
-                Arc::new(KvBlock(buffer))
+                Arc::new(KvBlock { values: buffer, _live: Tally::default() })
             })
             .collect();
         (blocks, layout)

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use half::f16;
-use super::attention::{self, attend, KvBlock, KvBuffer, KvLayout, Query, KEY_BLOCK};
+use super::attention::{self, attend, KvBlock, KvBuffer, KvLayout, Query, Tally, KEY_BLOCK};
 use super::prefix::PrefixCache;
 use super::matrix::{multiply_all, Activations, Bytes, PackedMatrix};
 use super::team::Team;
@@ -93,6 +93,9 @@ pub struct CpuModel {
     /// Blocks of earlier sequences' caches, for requests that begin the same way. Empty (and
     /// off) unless set: a worker sizes it from its options.
     pub prefix_cache: PrefixCache,
+    /// Bytes of the KV blocks alive now: every running sequence's, the prefix cache's, each
+    /// shared block once.
+    kv_resident: Arc<std::sync::atomic::AtomicUsize>,
     /// Allocate every block of a new cache at once, as a contiguous cache would: what
     /// `headroom calibrate` measures the workspace beside, since admission reserves the whole.
     pub preallocate_kv: bool,
@@ -254,6 +257,7 @@ impl CpuModel {
             inv_freq: config.rope_inv_freq(),
             kv_precision: KvPrecision::default(),
             prefix_cache: PrefixCache::default(),
+            kv_resident: Arc::default(),
             preallocate_kv: false,
         })
     }
@@ -284,6 +288,7 @@ impl CpuModel {
     /// are allocated as positions are written.
     pub fn new_cache(&self, capacity: usize) -> CpuCache {
         let mut cache = CpuCache {
+            resident: self.kv_resident.clone(),
             blocks: Vec::new(),
             layout: KvLayout { kv_heads: self.config.kv_heads(), head_dim: self.config.head_dim() },
             layers: self.layers.len(),
@@ -320,6 +325,12 @@ impl CpuModel {
             self.prefix_cache.insert(&tokens[..cache.len.min(tokens.len())], &blocks);
         }
         cache.len = 0;
+    }
+
+    /// Bytes of the KV blocks alive now: every running sequence's and the prefix cache's, each
+    /// shared block once. What the CPU worker reports as its KV cache's resident memory.
+    pub fn kv_resident_bytes(&self) -> usize {
+        self.kv_resident.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether every layer's products take the same steps for a token whatever else shares
@@ -587,6 +598,8 @@ fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f64, out: &mut [f32]) {
 /// computed are shared with it; a write into a shared block copies it first.
 pub struct CpuCache {
     blocks: Vec<Arc<KvBlock>>,
+    /// The model's count of live block bytes, which this cache's blocks add to.
+    resident: Arc<std::sync::atomic::AtomicUsize>,
     layout: KvLayout,
     layers: usize,
     precision: KvPrecision,
@@ -608,10 +621,12 @@ impl CpuCache {
 
     fn new_block(&self) -> Arc<KvBlock> {
         let values = self.layout.block_len(self.layers);
-        Arc::new(KvBlock(match self.precision {
+        let buffer = match self.precision {
             KvPrecision::F32 => KvBuffer::F32(vec![0.0; values]),
             KvPrecision::F16 => KvBuffer::F16(vec![f16::ZERO; values]),
-        }))
+        };
+        let tally = Tally::count(&self.resident, values * self.precision.bytes_per_value());
+        Arc::new(KvBlock { values: buffer, _live: tally })
     }
 
     /// Bytes of the blocks this cache holds now (some may be shared).
@@ -628,7 +643,7 @@ impl CpuCache {
                 let block = self.new_block();
                 self.blocks.push(block);
             }
-            let KvBlock(block) = Arc::make_mut(&mut self.blocks[p / KEY_BLOCK]);
+            let block = &mut Arc::make_mut(&mut self.blocks[p / KEY_BLOCK]).values;
             for g in 0..kvh {
                 let at = (t * kvh + g) * d..(t * kvh + g + 1) * d;
                 self.layout.write(block, layer, g, p % KEY_BLOCK, &k[at.clone()], &v[at]);

@@ -43,7 +43,11 @@ impl Dispatcher {
             m.host_available_bytes.set(bytes(host.available_bytes));
         }
         m.host_reserved_bytes.set(bytes(inner.host_ledger.held_bytes()));
-        if let Some(p) = inner.supervisor.cpu_worker().and_then(|w| w.memory().borrow().as_ref().and_then(|r| r.prefix_cache)) {
+        let cpu_reading = inner.supervisor.cpu_worker().and_then(|w| w.memory().borrow().clone());
+        if let Some(resident) = cpu_reading.as_ref().and_then(|r| r.kv_resident_bytes) {
+            m.cpu_kv_resident_bytes.set(bytes(resident));
+        }
+        if let Some(p) = cpu_reading.and_then(|r| r.prefix_cache) {
             m.prefix_cache_bytes.set(bytes(p.bytes));
             m.prefix_cache_looked_up_tokens.set(bytes(p.looked_up_tokens));
             m.prefix_cache_reused_tokens.set(bytes(p.reused_tokens));

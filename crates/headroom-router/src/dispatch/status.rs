@@ -69,6 +69,11 @@ pub struct ServiceStatus {
     pub gpu_budget: Option<Budget>,
     /// The CPU worker's prefix cache, from its last memory reading.
     pub cpu_prefix_cache: Option<headroom_model::cpu::PrefixStats>,
+    /// Host RAM reserved for requests on the CPU path (KV cache for prompt + max_tokens and
+    /// workspace each), and the CPU worker's KV blocks alive (its last reading): what admission
+    /// promised against what the requests use.
+    pub host_reserved_bytes: u64,
+    pub cpu_kv_resident_bytes: Option<u64>,
 }
 
 impl ServiceStatus {
@@ -156,6 +161,8 @@ impl Dispatcher {
             gpu_memory,
             gpu_budget: self.gpu_budget(),
             cpu_prefix_cache: s.cpu_worker().and_then(|w| w.memory().borrow().as_ref().and_then(|r| r.prefix_cache)),
+            host_reserved_bytes: self.inner.host_ledger.held_bytes(),
+            cpu_kv_resident_bytes: s.cpu_worker().and_then(|w| w.memory().borrow().as_ref().and_then(|r| r.kv_resident_bytes)),
         }
     }
 
