@@ -637,7 +637,6 @@ impl<'m, M: Decoder> Session<'m, M> {
     }
 }
 
-/// Runs a whole generation, calling `on_token` for each token as it is produced.
 impl<M: Decoder> Drop for Session<'_, M> {
     /// Gives the cache back to the model, which may keep its blocks for later requests.
     fn drop(&mut self) {
@@ -650,6 +649,7 @@ impl<M: Decoder> Drop for Session<'_, M> {
     }
 }
 
+/// Runs a whole generation, calling `on_token` for each token as it is produced.
 pub fn generate<M: Decoder>(
     model: &M,
     bundle: &ModelBundle,

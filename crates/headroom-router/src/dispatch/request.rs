@@ -303,7 +303,9 @@ impl Dispatcher {
         let finishing_lane = if outcome.device == Device::Cpu { &*inner.cpu } else { &inner.gpu };
         if outcome.failovers.is_empty() {
             let total_ms = started.elapsed().as_secs_f64() * 1000.0;
-            finishing_lane.observe(outcome.prompt_tokens, outcome.prefill_ms, outcome.completion_tokens, (total_ms - outcome.prefill_ms).max(0.0));
+            // The prompt tokens it computed: those a prefix cache held took no prefill time.
+            let computed = outcome.prompt_tokens.saturating_sub(outcome.cached_prompt_tokens);
+            finishing_lane.observe(computed, outcome.prefill_ms, outcome.completion_tokens, (total_ms - outcome.prefill_ms).max(0.0));
         }
         let metrics = &inner.metrics;
         metrics.requests.get_or_create(&OutcomeLabels { device: outcome.device.label(), outcome: "completed".into() }).inc();
