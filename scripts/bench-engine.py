@@ -27,10 +27,17 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import DEFAULT_MODEL, ROOT, headroom_binary  # noqa: E402
-
+ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("HEADROOM_BENCH_CACHE", Path.home() / ".cache" / "headroom" / "bench"))
+DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def headroom_binary():
+    for profile in ("release", "debug"):
+        path = ROOT / "target" / profile / "headroom"
+        if path.exists():
+            return path
+    sys.exit("no target/*/headroom: build it first (cargo build --bin headroom)")
 
 
 def prompt_ids(vocab, n):

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use headroom_model::cpu::{CpuCache, CpuModel, KEY_BLOCK};
+use headroom_model::cpu::{CpuModel, PrefixCache, KEY_BLOCK};
 use headroom_model::fixture::{tiny_config, write_gguf_from_folder, write_random_folder};
 use headroom_model::quants::GgmlType;
 use headroom_model::{generate, CancelToken, GenerateRequest, LlamaConfig, ModelBundle, SamplingParams, StoreDtype};
@@ -21,11 +21,6 @@ fn q8_file(dir: &Path) -> ModelBundle {
     let file = dir.join("q8_0.gguf");
     write_gguf_from_folder(&folder, &file, GgmlType::Q8_0).unwrap();
     ModelBundle::open(&file).unwrap()
-}
-
-/// Bytes of one KV block of `model`.
-fn block_bytes(model: &CpuModel) -> u64 {
-    CpuCache::bytes(&model.config, KEY_BLOCK, model.kv_precision) as u64
 }
 
 fn tokens(seed: u32, n: usize) -> Vec<u32> {
@@ -59,14 +54,14 @@ fn a_prompt_that_begins_like_an_earlier_one_computes_what_it_computes_alone() {
     if !model.prefill_is_chunk_invariant() {
         // No repacked kernel here (no AVX-512 VNNI): the prefix cache stays unused, so a
         // request's tokens never depend on what ran before it.
-        model.keep_prefixes(64 * block_bytes(&model));
+        model.prefix_cache = PrefixCache::new(64);
         let prompt = tokens(1, 40);
         feed(&model, &prompt);
         assert_eq!(feed(&model, &prompt).1, 0, "a prefix was reused where prefill depends on chunks");
         eprintln!("prefill depends on chunks on this processor: reuse is off, the exactness check did not run");
         return;
     }
-    model.keep_prefixes(64 * block_bytes(&model));
+    model.prefix_cache = PrefixCache::new(64);
     let block = |seed: u32| tokens(seed, KEY_BLOCK);
     let (p1, p2, s, t) = (block(1), block(2), block(3), block(4));
     let tail = tokens(5, 7);
@@ -75,7 +70,7 @@ fn a_prompt_that_begins_like_an_earlier_one_computes_what_it_computes_alone() {
     let c: Vec<u32> = [&p2[..], &t, &tail].concat();
     assert_eq!(feed(&model, &a).1, 0);
     assert_eq!(feed(&model, &c).1, 0);
-    assert_eq!(model.prefix_cache().stats().blocks, 4);
+    assert_eq!(model.prefix_cache.stats().blocks, 4);
 
     // B = P2 S ...: P2 is C's first block; S after P2 is nobody's.
     let b: Vec<u32> = [&p2[..], &s, &tokens(6, 5)].concat();
@@ -95,7 +90,7 @@ fn a_prompt_that_begins_like_an_earlier_one_computes_what_it_computes_alone() {
     assert_eq!(reused, KEY_BLOCK);
     assert_eq!(logits, fresh(&model, &exact));
 
-    let stats = model.prefix_cache().stats();
+    let stats = model.prefix_cache.stats();
     assert!(stats.reused_tokens >= 4 * KEY_BLOCK as u64 && stats.hit_rate() > 0.0, "{stats:?}");
 }
 
@@ -127,7 +122,7 @@ fn a_second_turn_reuses_the_first_and_generates_the_same() {
         eprintln!("prefill depends on chunks on this processor: reuse is off (checked above)");
         return;
     }
-    cached.keep_prefixes(4 * block_bytes(&cached));
+    cached.prefix_cache = PrefixCache::new(4);
     let plain = bundle.load_cpu(|_, _| {}).unwrap();
     let run = |model: &CpuModel, prompt: &[u32]| {
         let mut request = GenerateRequest::new(prompt.to_vec(), 12, SamplingParams::default());
@@ -139,17 +134,17 @@ fn a_second_turn_reuses_the_first_and_generates_the_same() {
     let answer = run(&cached, &first);
     assert_eq!(answer, run(&plain, &first));
     // The first turn's cache held 30 + 11 tokens: two whole blocks.
-    assert_eq!(cached.prefix_cache().stats().blocks, 2);
+    assert_eq!(cached.prefix_cache.stats().blocks, 2);
     let second: Vec<u32> = [&first[..], &answer, &tokens(9, 9)].concat();
-    let before = cached.prefix_cache().stats().reused_tokens;
+    let before = cached.prefix_cache.stats().reused_tokens;
     assert_eq!(run(&cached, &second), run(&plain, &second), "the second turn generated other tokens with the prefix cache");
-    assert_eq!(cached.prefix_cache().stats().reused_tokens - before, 2 * KEY_BLOCK as u64);
+    assert_eq!(cached.prefix_cache.stats().reused_tokens - before, 2 * KEY_BLOCK as u64);
     // 42 + 9 + 11 = 62 tokens: three blocks of which the first two were shared; then other
     // prompts push the oldest out.
     for seed in 10..13 {
         run(&cached, &tokens(seed, 40));
     }
-    let stats = cached.prefix_cache().stats();
+    let stats = cached.prefix_cache.stats();
     assert_eq!(stats.blocks, 4, "{stats:?}");
     assert!(stats.evicted_blocks > 0, "{stats:?}");
 }
@@ -162,7 +157,7 @@ fn resident_kv_counts_each_live_block_once() {
     let dir = tempfile::tempdir().unwrap();
     let bundle = q8_file(dir.path());
     let mut model = bundle.load_cpu(|_, _| {}).unwrap();
-    let block = block_bytes(&model) as usize;
+    let block = headroom_model::cpu::CpuCache::bytes(&bundle.config, KEY_BLOCK, model.kv_precision);
     let prompt = tokens(1, 40);
     let mut cache = model.new_cache(48);
     model.step(&prompt, &mut cache);
@@ -173,7 +168,7 @@ fn resident_kv_counts_each_live_block_once() {
     if !model.prefill_is_chunk_invariant() {
         return;
     }
-    model.keep_prefixes(64 * block_bytes(&model));
+    model.prefix_cache = PrefixCache::new(64);
     feed(&model, &prompt);
     assert_eq!(model.kv_resident_bytes(), 2 * block, "the prefix cache keeps the two whole blocks");
     // Two sequences reuse both and add a block each.
@@ -182,6 +177,6 @@ fn resident_kv_counts_each_live_block_once() {
     model.step(&prompt[b.len..], &mut b);
     assert_eq!(model.kv_resident_bytes(), 4 * block, "shared blocks counted once");
     drop((a, b));
-    model.prefix_cache().clear();
+    model.prefix_cache.clear();
     assert_eq!(model.kv_resident_bytes(), 0);
 }

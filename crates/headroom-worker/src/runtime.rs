@@ -155,9 +155,10 @@ pub fn run(options: WorkerOptions, input: impl Read, output: impl Write + Send +
             }
             ToWorker::DropPrefixCache => {
                 if let Some(Loaded { engine: Engine::Cpu(model), .. }) = state.loaded.lock().unwrap().as_deref() {
-                    model.prefix_cache().clear();
+                    model.prefix_cache.clear();
                 }
-                state.read_memory();
+                let reading = state.memory();
+                *state.latest_memory.lock().unwrap() = reading;
             }
             ToWorker::Shutdown => return 0,
         }
@@ -251,7 +252,10 @@ impl State {
                 (Device::Cpu, _) => {
                     let mut model = bundle.load_cpu(|_, _| {})?;
                     model.kv_precision = self.options.kv_cache;
-                    model.keep_prefixes(self.options.prefix_cache_mib * headroom_memory::MIB);
+                    let block_bytes = headroom_model::cpu::CpuCache::bytes(&bundle.config, headroom_model::cpu::KEY_BLOCK, model.kv_precision) as u64;
+                    // Off where a reused prefix could change a reply (see `prefill_is_chunk_invariant`).
+                    let blocks = if model.prefill_is_chunk_invariant() { self.options.prefix_cache_mib * headroom_memory::MIB / block_bytes.max(1) } else { 0 };
+                    model.prefix_cache = headroom_model::cpu::PrefixCache::new(blocks as usize);
                     Ok(Engine::Cpu(model))
                 }
                 (Device::Sim, None) => Ok(Engine::Cpu(bundle.load_cpu(|_, _| {})?)),
@@ -350,7 +354,7 @@ impl State {
             _ => 0,
         };
         let (prefix_cache, kv_resident_bytes) = match (loaded.as_ref().map(|l| &l.engine), self.options.device) {
-            (Some(Engine::Cpu(model)), Device::Cpu) => (Some(model.prefix_cache().stats()), Some(model.kv_resident_bytes() as u64)),
+            (Some(Engine::Cpu(model)), Device::Cpu) => (Some(model.prefix_cache.stats()), Some(model.kv_resident_bytes() as u64)),
             _ => (None, None),
         };
         let mut reading = MemoryReading {

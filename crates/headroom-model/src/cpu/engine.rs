@@ -90,9 +90,9 @@ pub struct CpuModel {
     rope_pairs: RopePairs,
     inv_freq: Vec<f64>,
     pub kv_precision: KvPrecision,
-    /// Blocks of earlier sequences' caches, for requests that begin the same way. Off (no
-    /// capacity) unless [`Self::keep_prefixes`] gives it room.
-    prefix_cache: PrefixCache,
+    /// Blocks of earlier sequences' caches, for requests that begin the same way. Empty (and
+    /// off) unless set: a worker sizes it from its options.
+    pub prefix_cache: PrefixCache,
     /// Bytes of the KV blocks alive now: every running sequence's, the prefix cache's, each
     /// shared block once.
     kv_resident: Arc<std::sync::atomic::AtomicUsize>,
@@ -310,8 +310,10 @@ impl CpuModel {
     /// before it.
     pub fn cache_for_prompt(&self, prompt: &[u32], capacity: usize) -> CpuCache {
         let mut cache = self.new_cache(capacity);
-        cache.blocks = self.prefix_cache.lookup(prompt);
-        cache.len = cache.blocks.len() * KEY_BLOCK;
+        if self.prefill_is_chunk_invariant() {
+            cache.blocks = self.prefix_cache.lookup(prompt);
+            cache.len = cache.blocks.len() * KEY_BLOCK;
+        }
         cache
     }
 
@@ -319,22 +321,10 @@ impl CpuModel {
     /// in order (its prompt, then what it generated).
     pub fn retire(&self, cache: &mut CpuCache, tokens: &[u32]) {
         let blocks = std::mem::take(&mut cache.blocks);
-        self.prefix_cache.insert(&tokens[..cache.len.min(tokens.len())], &blocks);
+        if self.prefill_is_chunk_invariant() {
+            self.prefix_cache.insert(&tokens[..cache.len.min(tokens.len())], &blocks);
+        }
         cache.len = 0;
-    }
-
-    /// Gives the prefix cache room for `bytes` of blocks (whole blocks; 0: off), emptying it.
-    /// It stays off where prefill depends on chunks ([`Self::prefill_is_chunk_invariant`]): a
-    /// request's tokens never depend on what ran before it.
-    pub fn keep_prefixes(&mut self, bytes: u64) {
-        let block = CpuCache::bytes(&self.config, KEY_BLOCK, self.kv_precision) as u64;
-        let blocks = if self.prefill_is_chunk_invariant() { bytes / block.max(1) } else { 0 };
-        self.prefix_cache = PrefixCache::new(blocks as usize);
-    }
-
-    /// The prefix cache: its figures, and `clear` to give its memory back.
-    pub fn prefix_cache(&self) -> &PrefixCache {
-        &self.prefix_cache
     }
 
     /// Bytes of the KV blocks alive now: every running sequence's and the prefix cache's, each

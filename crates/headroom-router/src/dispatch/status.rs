@@ -135,7 +135,6 @@ impl Dispatcher {
         let s = &self.inner.supervisor;
         let device = s.status();
         let gpu_memory = s.gpu_worker().and_then(|w| w.memory().borrow().clone());
-        let cpu_memory = s.cpu_worker().and_then(|w| w.memory().borrow().clone());
         let mut workers = Vec::new();
         if let Some(gpu) = &s.config().gpu {
             let w = device.gpu.as_ref();
@@ -161,9 +160,9 @@ impl Dispatcher {
             estimated_delay_ms: self.estimated_delay_ms(),
             gpu_memory,
             gpu_budget: self.gpu_budget(),
-            cpu_prefix_cache: cpu_memory.as_ref().and_then(|r| r.prefix_cache),
+            cpu_prefix_cache: s.cpu_worker().and_then(|w| w.memory().borrow().as_ref().and_then(|r| r.prefix_cache)),
             host_reserved_bytes: self.inner.host_ledger.held_bytes(),
-            cpu_kv_resident_bytes: cpu_memory.and_then(|r| r.kv_resident_bytes),
+            cpu_kv_resident_bytes: s.cpu_worker().and_then(|w| w.memory().borrow().as_ref().and_then(|r| r.kv_resident_bytes)),
         }
     }
 
