@@ -133,52 +133,117 @@ impl<B: Backend> RopeTables<B> {
     }
 }
 
-pub(crate) type LayerCache<B> = (Option<Tensor<B, 4>>, Option<Tensor<B, 4>>);
+/// How many positions a block of the cache holds: the CPU engine's block, so both engines and
+/// admission count the cache in the same units.
+pub const KV_BLOCK: usize = crate::cpu::KEY_BLOCK;
 
-/// Keys and values for every layer, allocated once for the whole request (prompt + max_tokens)
-/// so a running generation never grows its memory.
+/// Blocks a cache of `capacity` positions holding `blocks` blocks holds once it has `positions`:
+/// twice as many as before when it must grow (whole blocks, at most its capacity), so a
+/// sequence grows its cache a handful of times, each time by one copy.
+pub fn grown_blocks(blocks: usize, positions: usize, capacity: usize) -> usize {
+    let needed = positions.div_ceil(KV_BLOCK);
+    if needed <= blocks {
+        blocks
+    } else {
+        needed.max(2 * blocks).min(capacity.div_ceil(KV_BLOCK).max(needed))
+    }
+}
+
+/// One layer's keys and values: whole blocks of [`KV_BLOCK`] positions laid end to end, grown
+/// (see [`grown_blocks`]) as positions are written, so a request holds about the memory it used
+/// rather than its whole capacity. Attention reads them in place.
+#[derive(Debug, Clone)]
+pub(crate) struct LayerBlocks<B: Backend> {
+    /// `[1, kv_heads, head_dim, blocks × KV_BLOCK]`: keys stored transposed, the layout q·kᵀ
+    /// wants. `None` before the first write, and while a step writes.
+    keys: Option<Tensor<B, 4>>,
+    /// `[1, kv_heads, blocks × KV_BLOCK, head_dim]`.
+    values: Option<Tensor<B, 4>>,
+    blocks: usize,
+}
+
+impl<B: Backend> LayerBlocks<B> {
+    fn new() -> Self {
+        Self { keys: None, values: None, blocks: 0 }
+    }
+
+    /// Stores the new keys `k_t: [1, kv_heads, head_dim, seq]` and values
+    /// `v: [1, kv_heads, seq, head_dim]` at positions `start..start + seq` of a cache of
+    /// `capacity` positions and gives all its keys and values (positions past the written ones
+    /// are zeros, which the causal mask hides).
+    fn write(&mut self, k_t: Tensor<B, 4>, v: Tensor<B, 4>, start: usize, capacity: usize) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        let [batch, kvh, d, seq] = k_t.dims();
+        let end = start + seq;
+        let device = k_t.device();
+        let blocks = grown_blocks(self.blocks, end, capacity);
+        let (mut keys, mut values) = (self.keys.take(), self.values.take());
+        if blocks > self.blocks {
+            let more = (blocks - self.blocks) * KV_BLOCK;
+            let zeros_k = Tensor::zeros([batch, kvh, d, more], &device);
+            let zeros_v = Tensor::zeros([batch, kvh, more, d], &device);
+            // Test-only: growing drops what was written (the defect growth invites).
+            let keep = !crate::test_defect("kv-grow-drops-old");
+            keys = Some(match keys.filter(|_| keep) {
+                Some(old) => Tensor::cat(vec![old, zeros_k], 3),
+                None => Tensor::zeros([batch, kvh, d, blocks * KV_BLOCK], &device),
+            });
+            values = Some(match values.filter(|_| keep) {
+                Some(old) => Tensor::cat(vec![old, zeros_v], 2),
+                None => Tensor::zeros([batch, kvh, blocks * KV_BLOCK, d], &device),
+            });
+            self.blocks = blocks;
+        }
+        // Sole handles: the backend writes in place.
+        let keys = keys.expect("a cache layer holds keys once grown").slice_assign([0..batch, 0..kvh, 0..d, start..end], k_t);
+        let values = values.expect("a cache layer holds values once grown").slice_assign([0..batch, 0..kvh, start..end, 0..d], v);
+        self.keys = Some(keys.clone());
+        self.values = Some(values.clone());
+        (keys, values)
+    }
+}
+
+/// Keys and values for every layer, in whole blocks of [`KV_BLOCK`] positions grown as they are
+/// written (see [`grown_blocks`]), up to the request's capacity (prompt + max_tokens), which
+/// admission reserves.
 ///
-/// Layout is chosen so attention reads the cache in place: burn-ndarray re-lays out any
-/// non-contiguous matmul operand (a transposed or narrowed view) by an element-wise copy, so keys
-/// are stored already transposed and attention always spans the whole capacity, with positions
-/// not yet written masked out, instead of narrowing the cache to the filled part.
+/// Attention spans the blocks held, with positions not yet written masked out, and reads them
+/// in place: keys are stored already transposed, since burn-ndarray re-lays out any
+/// non-contiguous matmul operand by an element-wise copy. (A table of separate blocks would make
+/// attention gather them every step: one copy, and on CUDA a launch per block.)
 #[derive(Debug, Clone)]
 pub struct KvCache<B: Backend> {
-    /// Per layer (keys `[1, kv_heads, head_dim, capacity]`, values
-    /// `[1, kv_heads, capacity, head_dim]`). Held in an `Option` so a step can take sole
-    /// ownership and the backend writes new entries in place, not by copy.
-    pub(crate) layers: Vec<LayerCache<B>>,
+    pub(crate) layers: Vec<LayerBlocks<B>>,
     /// Tokens already stored.
     pub len: usize,
     pub capacity: usize,
+    /// Bytes of one block of every layer.
+    block_bytes: usize,
 }
 
 impl<B: Backend> KvCache<B> {
-    pub fn new(config: &LlamaConfig, capacity: usize, device: &B::Device) -> Self {
-        Self::for_layers(config, config.num_hidden_layers, capacity, device)
+    pub fn new(config: &LlamaConfig, capacity: usize, _device: &B::Device) -> Self {
+        Self::for_layers(config, config.num_hidden_layers, capacity)
     }
 
     /// A cache of `layers` layers (a split model's GPU part holds only its own).
-    pub fn for_layers(config: &LlamaConfig, layers: usize, capacity: usize, device: &B::Device) -> Self {
-        let (kvh, d) = (config.kv_heads(), config.head_dim());
-        let layers = (0..layers)
-            .map(|_| {
-                (
-                    Some(Tensor::zeros([1, kvh, d, capacity], device)),
-                    Some(Tensor::zeros([1, kvh, capacity, d], device)),
-                )
-            })
-            .collect();
-        Self {
-            layers,
-            len: 0,
-            capacity,
-        }
+    pub fn for_layers(config: &LlamaConfig, layers: usize, capacity: usize) -> Self {
+        let block_bytes = 2 * layers * config.kv_heads() * config.head_dim() * 4 * KV_BLOCK;
+        Self { layers: (0..layers).map(|_| LayerBlocks::new()).collect(), len: 0, capacity, block_bytes }
     }
 
-    /// Bytes held by the cache: 2 × layers × kv_heads × head_dim × 4 bytes × capacity.
+    /// Bytes the cache may grow to: 2 × layers × kv_heads × head_dim × 4 bytes × capacity.
     pub fn bytes(config: &LlamaConfig, capacity: usize) -> usize {
         2 * config.num_hidden_layers * config.kv_heads() * config.head_dim() * 4 * capacity
+    }
+
+    /// Blocks held now (of every layer).
+    pub fn blocks(&self) -> usize {
+        self.layers.first().map_or(0, |layer| layer.blocks)
+    }
+
+    /// Bytes held now.
+    pub fn resident_bytes(&self) -> usize {
+        self.blocks() * self.block_bytes
     }
 }
 
@@ -188,7 +253,9 @@ struct Row<'a, B: Backend> {
     rope: &'a RopeTables<B>,
     start: usize,
     mask: Option<&'a Tensor<B, 2, Bool>>,
-    cache: Option<&'a mut LayerCache<B>>,
+    cache: Option<&'a mut LayerBlocks<B>>,
+    /// Positions the cache may hold (prompt + max_tokens).
+    capacity: usize,
 }
 
 impl<B: Backend> Attention<B> {
@@ -230,20 +297,7 @@ impl<B: Backend> Attention<B> {
         let k_t = row.rope.apply(k, start).swap_dims(2, 3);
 
         let (k_t, v) = match row.cache.as_deref_mut() {
-            Some((k_cache, v_cache)) => {
-                let end = start + seq;
-                let new_k = k_cache
-                    .take()
-                    .expect("cache layer present between steps")
-                    .slice_assign([0..batch, 0..kvh, 0..d, start..end], k_t);
-                let new_v = v_cache
-                    .take()
-                    .expect("cache layer present between steps")
-                    .slice_assign([0..batch, 0..kvh, start..end, 0..d], v);
-                *k_cache = Some(new_k.clone());
-                *v_cache = Some(new_v.clone());
-                (new_k, new_v)
-            }
+            Some(blocks) => blocks.write(k_t, v, start, row.capacity),
             None => (k_t, v),
         };
 
@@ -313,15 +367,16 @@ fn run_layers<B: Backend>(layers: &[DecoderLayer<B>], mut x: Tensor<B, 3>, place
     for place in places.iter() {
         if let Some(cache) = place.cache.as_deref() {
             assert_eq!(cache.layers.len(), layers.len(), "a cache holds the layers it is run through");
+            assert!(place.start + seq <= cache.capacity, "a cache holds at most its capacity of positions");
         }
     }
-    // With a cache, attention spans its whole capacity, so unwritten slots are masked even
-    // for a single new token; without one, only a multi-token sequence needs a mask.
+    // With a cache, attention spans the blocks it holds, so unwritten slots are masked even for
+    // a single new token; without one, only a multi-token sequence needs a mask.
     let attn = &layers[0].self_attn;
     let masks: Vec<Option<Tensor<B, 2, Bool>>> = places
         .iter()
         .map(|place| {
-            let keys = place.cache.as_ref().map_or(seq, |c| c.capacity);
+            let keys = place.cache.as_ref().map_or(seq, |c| grown_blocks(c.blocks(), place.start + seq, c.capacity) * KV_BLOCK);
             (keys > place.start + 1 || seq > 1)
                 .then(|| causal_mask::<B>(attn.n_heads / attn.n_kv_heads, seq, place.start, keys, &x.device()))
         })
@@ -334,6 +389,7 @@ fn run_layers<B: Backend>(layers: &[DecoderLayer<B>], mut x: Tensor<B, 3>, place
                 rope: place.rope,
                 start: place.start,
                 mask: mask.as_ref(),
+                capacity: place.cache.as_ref().map_or(0, |c| c.capacity),
                 cache: place.cache.as_deref_mut().map(|c| &mut c.layers[i]),
             })
             .collect();

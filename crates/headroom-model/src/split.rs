@@ -126,7 +126,7 @@ impl<B: Backend> Decoder for SplitModel<B> {
         SplitCache {
             cpu: self.cpu.new_cache(capacity),
             rope: RopeTables::new(config, capacity, &self.device),
-            gpu: KvCache::for_layers(config, self.gpu_layers(), capacity, &self.device),
+            gpu: KvCache::for_layers(config, self.gpu_layers(), capacity),
         }
     }
 

@@ -356,3 +356,47 @@ fn matrices_load_in_the_type_asked_for_and_give_the_f32_logits() {
 fn the_matrix_type_check_fails_when_the_type_is_ignored() {
     headroom_model::assert_control_fails("matrices_load_in_the_type_asked_for_and_give_the_f32_logits", "matrices-f32", "not the F64 asked for");
 }
+
+/// burn's cache in blocks: a sequence fed in uneven chunks across several block boundaries (and
+/// two growths of the cache) gets, at every position, the logits of one full pass without a
+/// cache, and holds at most twice the blocks its positions fill.
+#[test]
+fn a_cache_in_blocks_gives_the_logits_of_a_full_pass() {
+    let (_dir, bundle, model) = fixture(StoreDtype::F32);
+    let tokens: Vec<u32> = (0..53).map(|i| (i * 37 % 250) as u32).collect();
+    let n = tokens.len();
+    let device = Default::default();
+    let rope = RopeTables::<B>::new(&bundle.config, n, &device);
+    let ids: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
+    let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, n]), &device);
+    let full = model.forward(input, &rope).into_data().into_vec::<f32>().unwrap();
+    let vocab = bundle.config.vocab_size;
+    let block = headroom_model::model::KV_BLOCK;
+
+    let mut cache = headroom_model::KvCache::new(&bundle.config, n, &device);
+    assert_eq!(cache.resident_bytes(), 0, "nothing is held before a position is written");
+    // Chunks of 5, 20 and 1: one starts and ends inside blocks, one spans a whole block.
+    let mut fed = 0;
+    for chunk in [5, 20].into_iter().chain(std::iter::repeat(1)) {
+        if fed == n {
+            break;
+        }
+        let end = (fed + chunk).min(n);
+        let got = model.step(&tokens[fed..end], &rope, &mut cache);
+        let pos = end - 1;
+        let expected = &full[pos * vocab..(pos + 1) * vocab];
+        let max_diff = expected.iter().zip(&got).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        // A prompt chunk's products add in another order than the full pass's: rounding only.
+        assert!(max_diff < 1e-3, "position {pos}: the cache in blocks changes the logits by {max_diff}");
+        let needed = end.div_ceil(block);
+        assert!(cache.blocks() >= needed && cache.blocks() <= (2 * needed).min(n.div_ceil(block)).max(needed), "{} blocks after {end} positions", cache.blocks());
+        fed = end;
+    }
+    let whole = headroom_model::KvCache::<B>::bytes(&bundle.config, n.next_multiple_of(block));
+    assert_eq!(cache.resident_bytes(), whole, "the blocks of {n} positions");
+}
+
+#[test]
+fn the_cache_test_fails_when_growing_drops_what_was_written() {
+    headroom_model::assert_control_fails("a_cache_in_blocks_gives_the_logits_of_a_full_pass", "kv-grow-drops-old", "the cache in blocks changes the logits");
+}
