@@ -66,8 +66,9 @@ fn plan_prints_the_breakdown_and_a_decision() {
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    // Demo model: 2 × 4 layers × 4 kv heads × 32 × 4 bytes = 4 KiB per token.
-    assert_eq!(plan["footprint"]["kv_bytes"], 4096 * 500);
+    // Demo model: 2 × 4 layers × 4 kv heads × 32 × 4 bytes = 4 KiB per token, in whole blocks of
+    // 16 positions: 500 tokens take 32 blocks.
+    assert_eq!(plan["footprint"]["kv_bytes"], 4096 * 512);
     assert_eq!(plan["gpu_budget"]["reserve_bytes"], 1024 * 1024 * 1024u64);
     assert_eq!(plan["admission"]["decision"], "gpu");
     // A GPU holds the matrices in 16 bits and the norms in f32.

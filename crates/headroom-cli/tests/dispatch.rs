@@ -763,3 +763,106 @@ async fn negative_control_dropped_journal_errors_complete_unrecorded() {
     assert!(d.journal_fault().is_none());
     d.supervisor().shutdown().await;
 }
+
+/// The prompt and length of the overcommit tests: 8 requests of 96 tokens each, ignoring EOS.
+const OVERCOMMIT_PROMPT: &str = "And the LORD spake unto Moses";
+const OVERCOMMIT_TOKENS: usize = 96;
+
+/// KV overcommit 4× at full load: the sim GPU's 4 slots full and 4 requests queued, VRAM for
+/// the 4 running requests' reservations (a quarter of their KV blocks each) and two blocks
+/// more, so the pool runs dry as they write past their reservations; once the journal shows a
+/// preemption, the GPU worker is killed with SIGKILL. `worker_env` reaches both workers (a
+/// defect for the negative control).
+async fn overcommitted_gpu_run_dry_then_killed(worker_env: Vec<(String, String)>) -> (Dispatcher, Ends) {
+    use headroom_memory::footprint::{ModelShape, MIB};
+    use headroom_memory::RequestShape;
+    let bundle = ModelBundle::open(model_dir()).unwrap();
+    let memory = MemoryConfig { vram_reserve_mib: Some(64), kv_overcommit: 4.0, ..MemoryConfig::default() };
+    let (planner, _) = headroom_memory::planner_for(&bundle, "cpu", memory.clone());
+    let r = submission("probe", OVERCOMMIT_PROMPT, OVERCOMMIT_TOKENS, None).run.request;
+    let shape = RequestShape { prompt_tokens: r.prompt_tokens.len() as u64, max_tokens: OVERCOMMIT_TOKENS as u64, prefill_chunk: r.prefill_chunk as u64 };
+    let footprint = planner.footprint(shape);
+    let block = planner.kv_block_bytes();
+    let all_blocks = footprint.tokens.div_ceil(16);
+    assert!(footprint.kv_tokens.div_ceil(16) * 3 <= all_blocks, "overcommit leaves most blocks out: {footprint:?}");
+    let weights = ModelShape::from_config(&bundle.config).weights_bytes();
+    // Whole MiB: up to one more MiB beyond two blocks; the growth of four requests is far more.
+    let vram_mib = (weights + 4 * footprint.request_bytes() + 2 * block).div_ceil(MIB) + 64;
+    let spare = (vram_mib - 64) * MIB - weights - 4 * footprint.request_bytes();
+    assert!(spare < 4 * (all_blocks - footprint.kv_tokens.div_ceil(16)) * block, "the pool must run dry: {spare} bytes spare");
+
+    let mut config = supervisor_config(true);
+    let sim = config.gpu.as_mut().unwrap();
+    sim.max_concurrency = 4;
+    sim.sim_vram_mib = vram_mib;
+    sim.kv_overcommit = memory.kv_overcommit;
+    sim.vram_reserve_mib = 64;
+    config.worker_env = worker_env;
+    let supervisor = Supervisor::start(config).await.unwrap();
+    let d = Dispatcher::start(supervisor, Journal::in_memory().unwrap(), planner, memory, QueueConfig::default(), Settings::default(), None).unwrap().0;
+    // One request first, so the GPU lane has measured rates: requests beyond the GPU's memory
+    // then wait in its queue for memory to free (an expected wait) instead of going to the CPU.
+    d.submit(submission("warm", OVERCOMMIT_PROMPT, 8, None)).unwrap().finish().await.unwrap();
+    d.supervisor().inject_fault(Fault::Slowdown { factor: 8.0 }).await.unwrap();
+    let tickets: Vec<Ticket> = (0..8)
+        .map(|i| {
+            let mut sub = submission(&format!("oc-{i}"), OVERCOMMIT_PROMPT, OVERCOMMIT_TOKENS, None);
+            sub.stream = i % 2 == 0;
+            d.submit(sub).unwrap()
+        })
+        .collect();
+    let gpu = |d: &Dispatcher| d.queues().into_iter().find(|q| q.device == Lane::Gpu).unwrap();
+    until(20, "4 running and 4 queued on the GPU", || {
+        let q = gpu(&d);
+        q.running == 4 && q.waiting == 4
+    })
+    .await;
+    until(60, "a preemption or the end of the run", || {
+        (0..8).any(|i| preempted(d.journal(), &format!("oc-{i}"))) || d.queues().iter().all(|q| q.running == 0 && q.waiting == 0)
+    })
+    .await;
+    if let Some(gpu) = d.supervisor().gpu_worker() {
+        assert!(std::process::Command::new("kill").args(["-9", &gpu.pid.to_string()]).status().unwrap().success());
+    }
+    let e = ends(tickets).await;
+    (d, e)
+}
+
+/// Whether the journal shows request `id` preempted on the GPU.
+fn preempted(journal: &Journal, id: &str) -> bool {
+    journal.transitions(id).unwrap_or_default().iter().any(|t| matches!(&t.transition, Transition::AttemptFailed { kind: headroom_worker::FailureKind::Preempted, .. }))
+}
+
+/// Overcommit's promise: requests admitted on a quarter of their KV blocks run the pool dry,
+/// the newest are preempted (journaled, resumed on the CPU from their checkpoints), the GPU
+/// worker is then killed with its slots full, and nothing accepted is lost: every request ends
+/// with all its tokens, the same tokens (one prompt, one seed) wherever it ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overcommitted_gpu_that_runs_dry_and_dies_loses_no_request() {
+    let (d, e) = overcommitted_gpu_run_dry_then_killed(Vec::new()).await;
+    assert!(e.lost.is_empty(), "lost after acceptance: {:?}", e.lost);
+    assert_eq!(e.completed.len(), 8);
+    let first = &e.completed[0].outcome.tokens;
+    assert_eq!(first.len(), OVERCOMMIT_TOKENS);
+    assert!(e.completed.iter().all(|c| &c.outcome.tokens == first), "a preempted or failed-over request's tokens are those it would have made");
+    let preempted_ids: Vec<String> = (0..8).map(|i| format!("oc-{i}")).filter(|id| preempted(d.journal(), id)).collect();
+    assert!(!preempted_ids.is_empty(), "the pool ran dry: at least one request was preempted");
+    for id in &preempted_ids {
+        let steps: Vec<Transition> = d.journal().transitions(id).unwrap().into_iter().map(|t| t.transition).collect();
+        assert!(steps.iter().any(|t| matches!(t, Transition::Queued { device } if *device == Lane::Cpu)), "{id} went to the CPU queue: {steps:?}");
+        let c = e.completed.iter().find(|c| &c.outcome.request_id == id).unwrap();
+        assert!(c.outcome.degraded && c.outcome.failovers.iter().any(|f| f.kind == Some(headroom_worker::FailureKind::Preempted)), "{id}: {:?}", c.outcome.failovers);
+    }
+    assert!(d.metrics_text().contains("headroom_preemptions_total"), "preemptions are counted");
+    d.supervisor().shutdown().await;
+}
+
+/// Negative control: a preempted request that fails like a plain error (not replayable), as a
+/// naive pool would, is lost, so the test above can fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_an_overcommit_preemption_that_is_not_replayable_loses_requests() {
+    let (d, e) = overcommitted_gpu_run_dry_then_killed(vec![("HEADROOM_TEST_DEFECT".into(), "preempt-unreplayable".into())]).await;
+    assert!(!e.lost.is_empty(), "the defect must lose requests");
+    assert!(e.lost.iter().any(|l| l.contains("preempted after")), "{:?}", e.lost);
+    d.supervisor().shutdown().await;
+}

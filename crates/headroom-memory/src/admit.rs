@@ -194,7 +194,17 @@ impl Planner {
             Some(n) => crate::split::gpu_part_shape(&self.shape, n),
             None => self.shape.clone(),
         };
-        Footprint::estimate(&shape, request, &self.calibration, self.config.fragmentation_margin_percent)
+        Footprint::overcommitted(&shape, request, &self.calibration, self.config.fragmentation_margin_percent, self.config.kv_overcommit)
+    }
+
+    /// Bytes of one KV block (every layer) on the device this planner is for: what a request
+    /// takes for each block it writes past its reservation under overcommit.
+    pub fn kv_block_bytes(&self) -> u64 {
+        let shape = match self.gpu_layers {
+            Some(n) => crate::split::gpu_part_shape(&self.shape, n),
+            None => self.shape.clone(),
+        };
+        shape.kv_bytes_per_token() * shape.kv_block_tokens.max(1)
     }
 
     /// The request in host RAM on the CPU worker, whose KV cache has the configured
@@ -227,6 +237,23 @@ impl Planner {
         (lo > 0).then_some(lo)
     }
 
+    /// The KV cache a footprint reserves, in blocks: "7 blocks of 16 tokens for 100 tokens", and
+    /// under overcommit "3 of the 7 blocks ... reserved (overcommit 2×)".
+    fn kv_blocks_phrase(&self, fp: &Footprint) -> String {
+        let block = self.shape.kv_block_tokens.max(1);
+        let all = fp.tokens.div_ceil(block);
+        let held = fp.kv_tokens.div_ceil(block);
+        if held < all {
+            format!(
+                "{held} of the {all} blocks of {block} tokens that {} tokens fill, the rest taken as written (overcommit {}×)",
+                thousands(fp.tokens),
+                self.config.kv_overcommit
+            )
+        } else {
+            format!("{all} blocks of {block} tokens for {} tokens", thousands(fp.tokens))
+        }
+    }
+
     fn context(&self, request: RequestShape, allow: Allowances, host: &Budget) -> DecisionContext {
         let fp = self.footprint(request);
         let needs = fp.request_bytes();
@@ -235,10 +262,10 @@ impl Planner {
         let cpu_available = host.available_bytes();
         DecisionContext {
             what: format!(
-                "needs {} ({} of KV cache for {} tokens, {} workspace, {} margin)",
+                "needs {} ({} of KV cache: {}, {} workspace, {} margin)",
                 human_bytes(needs),
                 human_bytes(fp.kv_bytes),
-                thousands(fp.tokens),
+                self.kv_blocks_phrase(&fp),
                 human_bytes(fp.workspace_bytes),
                 human_bytes(fp.margin_bytes)
             ),

@@ -42,6 +42,13 @@ pub struct MemoryConfig {
     /// The context every request on a split's GPU layers is guaranteed, in tokens: the plan
     /// keeps room for its KV cache at the GPU worker's concurrency.
     pub split_min_context_tokens: u64,
+    /// KV overcommit on the GPU: a request is admitted holding only 1/this of the KV blocks its
+    /// prompt + max_tokens could fill (never fewer than its prompt's and one more), and takes
+    /// the rest block by block as it writes them. 1 (the default) reserves every block up front,
+    /// so an admitted request never runs out. Above 1, when the device has no block left for a
+    /// running request, the newest request is preempted: it moves to the CPU queue and resumes
+    /// there from its checkpoint (journaled, nothing lost). Only the sim GPU counts blocks today.
+    pub kv_overcommit: f64,
 }
 
 impl Default for MemoryConfig {
@@ -61,6 +68,7 @@ impl Default for MemoryConfig {
             cpu_prefix_cache_mib: 256,
             gpu_layers: crate::split::GpuLayers::Auto,
             split_min_context_tokens: 4096,
+            kv_overcommit: 1.0,
         }
     }
 }
@@ -135,6 +143,9 @@ impl MemoryConfig {
         if let Some(v) = env_parse("HEADROOM_SPLIT_MIN_CONTEXT_TOKENS")? {
             self.split_min_context_tokens = v;
         }
+        if let Some(v) = env_parse("HEADROOM_KV_OVERCOMMIT")? {
+            self.kv_overcommit = v;
+        }
         self.validate()
     }
 
@@ -147,6 +158,12 @@ impl MemoryConfig {
         }
         if self.split_min_context_tokens == 0 {
             return Err(Error::Config("split_min_context_tokens must be at least 1 (the context a request is guaranteed on the GPU's layers)".into()));
+        }
+        if !(1.0..=16.0).contains(&self.kv_overcommit) {
+            return Err(Error::Config(format!(
+                "kv_overcommit must be between 1 (every KV block reserved up front) and 16, got {}",
+                self.kv_overcommit
+            )));
         }
         if !(0.0..=100.0).contains(&self.fragmentation_margin_percent) {
             return Err(Error::Config(format!(

@@ -35,7 +35,7 @@ pub struct ModelShape {
     /// f16 cache (the `cpu_kv_cache` setting). 0: `dtype_bytes`.
     #[serde(default)]
     pub kv_value_bytes: u64,
-    /// Positions a KV cache is allocated in multiples of (the CPU engine's key blocks). 0: 1.
+    /// Positions a KV cache is allocated in multiples of (the engines' blocks). 0: 1.
     #[serde(default)]
     pub kv_block_tokens: u64,
 }
@@ -56,7 +56,8 @@ impl ModelShape {
             context: config.max_position_embeddings as u64,
             packed_weights_bytes: 0,
             kv_value_bytes: 0,
-            kv_block_tokens: 0,
+            // Every engine's cache is a table of blocks of this many positions.
+            kv_block_tokens: headroom_model::model::KV_BLOCK as u64,
         }
     }
 
@@ -259,6 +260,10 @@ pub struct Footprint {
     pub workspace_bytes: u64,
     pub margin_bytes: u64,
     pub tokens: u64,
+    /// Positions whose KV cache `kv_bytes` reserves, in whole blocks: `tokens` rounded up to a
+    /// block, or fewer under KV overcommit (the rest is taken as it is written).
+    #[serde(default)]
+    pub kv_tokens: u64,
 }
 
 impl Footprint {
@@ -268,8 +273,27 @@ impl Footprint {
         calibration: &Calibration,
         margin_percent: f64,
     ) -> Self {
+        Self::overcommitted(shape, request, calibration, margin_percent, 1.0)
+    }
+
+    /// The request holding only 1/`overcommit` of its KV blocks up front, and never fewer than
+    /// its prompt's and one more (see `MemoryConfig::kv_overcommit`).
+    pub fn overcommitted(
+        shape: &ModelShape,
+        request: RequestShape,
+        calibration: &Calibration,
+        margin_percent: f64,
+        overcommit: f64,
+    ) -> Self {
         let tokens = request.prompt_tokens + request.max_tokens;
-        let kv_bytes = shape.kv_bytes_per_token() * tokens.next_multiple_of(shape.kv_block_tokens.max(1));
+        let block = shape.kv_block_tokens.max(1);
+        let kv_tokens = if overcommit > 1.0 {
+            ((tokens as f64 / overcommit).ceil() as u64).max(request.prompt_tokens + 1).min(tokens)
+        } else {
+            tokens
+        }
+        .next_multiple_of(block);
+        let kv_bytes = shape.kv_bytes_per_token() * kv_tokens;
         let chunk = request.prefill_chunk.clamp(1, request.prompt_tokens.max(1));
         // Attention spans the cache's whole capacity (prompt + max_tokens, unwritten slots
         // masked), so every prefill chunk's score matrix is chunk × capacity.
@@ -285,6 +309,7 @@ impl Footprint {
             workspace_bytes,
             margin_bytes,
             tokens,
+            kv_tokens,
         }
     }
 

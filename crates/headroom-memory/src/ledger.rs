@@ -46,6 +46,30 @@ impl Reservation {
     pub fn bytes(&self) -> u64 {
         self.bytes
     }
+
+    /// Takes `bytes` more if the ledger still has `keep_free` free after them, atomically (a
+    /// request's KV cache growing past its reservation under overcommit).
+    pub fn try_grow(&mut self, bytes: u64, keep_free: u64) -> Result<(), Insufficient> {
+        let mut inner = self.ledger.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let capacity = inner.capacity_bytes;
+        let free = capacity.saturating_sub(inner.held_bytes).saturating_sub(keep_free);
+        if bytes > free {
+            return Err(Insufficient {
+                device: self.ledger.device.clone(),
+                wanted: human_bytes(bytes),
+                free: human_bytes(free),
+                capacity: human_bytes(capacity),
+                wanted_bytes: bytes,
+                free_bytes: free,
+            });
+        }
+        inner.held_bytes += bytes;
+        if let Some(held) = inner.held.get_mut(&self.id) {
+            held.1 += bytes;
+        }
+        self.bytes += bytes;
+        Ok(())
+    }
 }
 
 impl Drop for Reservation {
@@ -76,8 +100,13 @@ impl Ledger {
 
     /// Grants `bytes` if they fit in what is free, atomically.
     pub fn try_reserve(&self, owner: &str, bytes: u64) -> Result<Reservation, Insufficient> {
+        self.try_reserve_keeping(owner, bytes, 0)
+    }
+
+    /// Grants `bytes` if `keep_free` is still free after them, atomically.
+    pub fn try_reserve_keeping(&self, owner: &str, bytes: u64, keep_free: u64) -> Result<Reservation, Insufficient> {
         let mut inner = self.lock();
-        let free = inner.capacity_bytes.saturating_sub(inner.held_bytes);
+        let free = inner.capacity_bytes.saturating_sub(inner.held_bytes).saturating_sub(keep_free);
         if bytes > free {
             return Err(Insufficient {
                 device: self.device.clone(),
@@ -135,6 +164,18 @@ mod tests {
         drop(a);
         assert_eq!(ledger.held_bytes(), 0);
         assert!(ledger.try_reserve("b", 50).is_ok());
+    }
+
+    #[test]
+    fn a_reservation_grows_while_the_kept_room_stays_free() {
+        let ledger = Ledger::new("sim", 100);
+        let mut a = ledger.try_reserve("a", 40).unwrap();
+        a.try_grow(30, 20).unwrap();
+        assert_eq!((a.bytes(), ledger.held_bytes()), (70, 70));
+        let err = a.try_grow(20, 20).unwrap_err();
+        assert_eq!(err.free_bytes, 10);
+        drop(a);
+        assert_eq!(ledger.held_bytes(), 0, "the grown bytes go back with the reservation");
     }
 
     #[test]

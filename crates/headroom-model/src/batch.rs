@@ -44,6 +44,16 @@ impl<'m, M: Decoder, K> Batch<'m, M, K> {
         self.entries.push(Entry { key, session, cancel, stopped: false, error: None });
     }
 
+    /// The sessions in the order they joined (the newest last).
+    pub fn sessions(&self) -> impl Iterator<Item = (&K, &Session<'m, M>)> {
+        self.entries.iter().map(|e| (&e.key, &e.session))
+    }
+
+    /// Takes the newest session out of the batch (a preemption), between steps.
+    pub fn remove_newest(&mut self) -> Option<(K, Session<'m, M>)> {
+        self.entries.pop().map(|e| (e.key, e.session))
+    }
+
     pub fn len(&self) -> usize {
         self.entries.len()
     }

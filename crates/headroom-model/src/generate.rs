@@ -513,6 +513,22 @@ impl<'m, M: Decoder> Session<'m, M> {
         }
     }
 
+    /// Positions in the cache now: the prompt and checkpoint tokens fed, and every sampled
+    /// token but one not fed yet.
+    pub fn positions(&self) -> usize {
+        self.prompt_fed + self.replayed + (self.generated.len() - self.resumed) - usize::from(self.unfed.is_some())
+    }
+
+    /// Positions the cache may hold after the next batch step: its prompt chunk, or one more
+    /// token (a sample fed at once).
+    pub fn positions_after_step(&self) -> usize {
+        match self.work() {
+            Work::Prefill(range) => range.end,
+            Work::Decode(_) | Work::Sample => self.positions() + 1,
+            Work::Finished => self.positions(),
+        }
+    }
+
     /// Prompt tokens whose keys and values came from an earlier request's cache (not fed).
     pub fn prompt_reused(&self) -> usize {
         self.prompt_reused

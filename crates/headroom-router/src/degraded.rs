@@ -48,7 +48,7 @@ impl DegradedCause {
     fn of(status: &DeviceStatus, failover: Option<&FailoverRecord>) -> Self {
         if let Some(f) = failover {
             return match f.kind {
-                Some(FailureKind::Oom) => Self::GpuMemory,
+                Some(FailureKind::Oom | FailureKind::Preempted) => Self::GpuMemory,
                 _ => Self::GpuFailed,
             };
         }

@@ -57,6 +57,8 @@ pub(crate) struct Metrics {
     pub host_reserved_bytes: Gauge,
     pub prefix_cache_bytes: Gauge,
     pub cpu_kv_resident_bytes: Gauge,
+    pub gpu_kv_resident_bytes: Gauge,
+    pub preemptions: Counter,
     pub prefix_cache_looked_up_tokens: Gauge,
     pub prefix_cache_reused_tokens: Gauge,
 }
@@ -88,6 +90,8 @@ impl Metrics {
             host_reserved_bytes: Gauge::default(),
             prefix_cache_bytes: Gauge::default(),
             cpu_kv_resident_bytes: Gauge::default(),
+            gpu_kv_resident_bytes: Gauge::default(),
+            preemptions: Counter::default(),
             prefix_cache_looked_up_tokens: Gauge::default(),
             prefix_cache_reused_tokens: Gauge::default(),
         };
@@ -113,6 +117,8 @@ impl Metrics {
         m.registry.register("host_available_bytes", "Host RAM available", m.host_available_bytes.clone());
         m.registry.register("host_reserved_bytes", "Host RAM reserved by CPU-path requests", m.host_reserved_bytes.clone());
         m.registry.register("cpu_kv_resident_bytes", "The CPU worker's KV blocks alive (running requests' and its prefix cache's), against host_reserved_bytes", m.cpu_kv_resident_bytes.clone());
+        m.registry.register("gpu_kv_resident_bytes", "The GPU worker's running requests' KV blocks written so far, against vram_predicted_bytes (sim GPU)", m.gpu_kv_resident_bytes.clone());
+        m.registry.register("preemptions", "GPU requests preempted for a KV block under kv_overcommit (each resumed on the CPU)", m.preemptions.clone());
         m.registry.register("prefix_cache_bytes", "Host RAM the CPU worker keeps of finished requests' KV blocks", m.prefix_cache_bytes.clone());
         m.registry.register("prefix_cache_looked_up_tokens", "Prompt tokens the CPU worker looked up in its prefix cache, in whole blocks", m.prefix_cache_looked_up_tokens.clone());
         m.registry.register("prefix_cache_reused_tokens", "Prompt tokens whose KV the CPU worker's prefix cache held (not computed again)", m.prefix_cache_reused_tokens.clone());

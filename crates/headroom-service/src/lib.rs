@@ -55,6 +55,13 @@ pub struct WorkerArgs {
     /// On a GPU: hold only the model's last N layers there and run the rest on the CPU (a split).
     #[arg(long)]
     pub gpu_layers: Option<u32>,
+    /// On the sim GPU: admit requests holding 1/N of their KV blocks, taking the rest as they
+    /// are written and preempting the newest request when none is left (1: no overcommit).
+    #[arg(long, default_value_t = 1.0)]
+    pub kv_overcommit: f64,
+    /// VRAM the KV blocks taken past a reservation leave free, in MiB.
+    #[arg(long, default_value_t = 0)]
+    pub vram_reserve_mib: u64,
 }
 
 /// Runs one worker until its stdin closes; returns the process exit code. Never touches CUDA
@@ -80,6 +87,8 @@ fn worker_options(device: Device, args: WorkerArgs) -> WorkerOptions {
     options.kv_cache = args.kv_cache;
     options.prefix_cache_mib = args.prefix_cache_mib;
     options.gpu_layers = args.gpu_layers;
+    options.kv_overcommit = args.kv_overcommit;
+    options.vram_reserve_mib = args.vram_reserve_mib;
     options
 }
 
@@ -376,7 +385,22 @@ pub async fn run(
 
     let model_dir = resolve_model(&args.model);
     let bundle = ModelBundle::open(&model_dir).with_context(|| format!("cannot open the model folder {}", model_dir.display()))?;
-    let gpu = gpu_worker(args.gpu, args.sim_vram_mib, settings.gpu_device)?;
+    let mut gpu = gpu_worker(args.gpu, args.sim_vram_mib, settings.gpu_device)?;
+    match gpu.as_mut() {
+        // The sim GPU counts each request's KV blocks as they are written, so it can take the
+        // blocks overcommit left out of a reservation and preempt when none is left.
+        Some(sim) if sim.device == Device::Sim => {
+            sim.kv_overcommit = memory.kv_overcommit;
+            let total = sim.sim_vram_mib * headroom_memory::MIB;
+            let reserve = settings.vram_reserve_mib.map_or_else(|| memory.vram_reserve_bytes(total), |mib| mib * headroom_memory::MIB);
+            sim.vram_reserve_mib = reserve / headroom_memory::MIB;
+        }
+        _ if memory.kv_overcommit > 1.0 => {
+            eprintln!("headroom: kv_overcommit = {} applies to the sim GPU only (a CUDA worker does not count its KV blocks against the device yet); every block is reserved up front", memory.kv_overcommit);
+            memory.kv_overcommit = 1.0;
+        }
+        _ => {}
+    }
     let layer_placement = gpu.as_ref().map(|gpu| {
         Arc::new(LayerPlacement {
             bundle: bundle.clone(),

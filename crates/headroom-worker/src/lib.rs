@@ -104,6 +104,10 @@ pub struct WorkerOptions {
     /// On a GPU: how many of the model's last layers it holds, the rest running on the CPU in
     /// this process (a planned split, `headroom_memory::split`). `None`: every layer.
     pub gpu_layers: Option<u32>,
+    /// On the sim GPU: KV overcommit (`headroom_memory::MemoryConfig::kv_overcommit`; 1: none).
+    pub kv_overcommit: f64,
+    /// VRAM a request's KV blocks taken past its reservation (overcommit) leave free, in MiB.
+    pub vram_reserve_mib: u64,
 }
 
 impl WorkerOptions {
@@ -122,6 +126,8 @@ impl WorkerOptions {
             kv_cache: headroom_model::KvPrecision::F32,
             prefix_cache_mib: 0,
             gpu_layers: None,
+            kv_overcommit: 1.0,
+            vram_reserve_mib: 0,
         }
     }
 
@@ -144,6 +150,10 @@ impl WorkerOptions {
         if self.device == Device::Cpu {
             args.extend(["--kv-cache".into(), self.kv_cache.to_string()]);
             args.extend(["--prefix-cache-mib".into(), self.prefix_cache_mib.to_string()]);
+        }
+        if self.device.is_gpu() {
+            args.extend(["--kv-overcommit".into(), self.kv_overcommit.to_string()]);
+            args.extend(["--vram-reserve-mib".into(), self.vram_reserve_mib.to_string()]);
         }
         if let Some(n) = self.gpu_layers.filter(|_| self.device.is_gpu()) {
             args.extend(["--gpu-layers".into(), n.to_string()]);

@@ -164,6 +164,9 @@ pub enum FailureKind {
     Cancelled,
     /// The worker is at its concurrency limit.
     Busy,
+    /// Under KV overcommit the device had no block left for a running request: the newest
+    /// request leaves with its checkpoint to resume elsewhere. Not the device's fault.
+    Preempted,
     /// The request itself is wrong (context too long, bad token); replaying cannot help.
     Invalid,
     Internal,
@@ -205,10 +208,15 @@ pub struct MemoryReading {
     /// reservations, and its hits.
     #[serde(default)]
     pub prefix_cache: Option<headroom_model::cpu::PrefixStats>,
-    /// The CPU engine's KV blocks alive now (running requests' and the prefix cache's, a
-    /// shared block once): what its requests' reservations hold in fact.
+    /// KV blocks alive now, in bytes: on the CPU the engine's (running requests' and the prefix
+    /// cache's, a shared block once), on the sim GPU the running requests' blocks written so
+    /// far. What the requests' reservations hold in fact.
     #[serde(default)]
     pub kv_resident_bytes: Option<u64>,
+    /// Requests preempted since the worker started: under KV overcommit the device had no
+    /// block left for an older request (each resumed elsewhere).
+    #[serde(default)]
+    pub preemptions: u64,
 }
 
 #[derive(Debug, thiserror::Error)]

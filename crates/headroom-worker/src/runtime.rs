@@ -79,6 +79,10 @@ struct State {
     latest_memory: Mutex<MemoryReading>,
     /// Prefills and tokens produced so far (health reports it; see [`FromWorker::HealthOk`]).
     progress: AtomicU64,
+    /// The running requests' KV blocks written so far, in bytes (sim: what the device holds of
+    /// their reservations in fact), and the requests preempted since start (KV overcommit).
+    kv_resident: AtomicU64,
+    preemptions: AtomicU64,
     /// Test-only: health reads the device live, as before the health path was separated (the
     /// negative control of the busy-is-not-hung test).
     health_reads_device: bool,
@@ -100,6 +104,8 @@ pub fn run(options: WorkerOptions, input: impl Read, output: impl Write + Send +
         options,
         latest_memory: Mutex::new(MemoryReading::default()),
         progress: AtomicU64::new(0),
+        kv_resident: AtomicU64::new(0),
+        preemptions: AtomicU64::new(0),
         health_reads_device: std::env::var_os("HEADROOM_TEST_HEALTH_READS_DEVICE").is_some(),
     });
     state.out.send(&FromWorker::Hello {
@@ -201,7 +207,7 @@ impl State {
         let (planner, calibration) = headroom_memory::planner_for(
             &bundle,
             headroom_memory::calibration::backend_key(&self.options.device.label()),
-            MemoryConfig { cpu_kv_cache: self.options.kv_cache, ..MemoryConfig::default() },
+            MemoryConfig { cpu_kv_cache: self.options.kv_cache, kv_overcommit: self.options.kv_overcommit, ..MemoryConfig::default() },
         );
         tracing::info!(source = %calibration.source, "workspace calibration");
         // A split holds its GPU layers' share of each request's KV cache on the device.
@@ -355,11 +361,13 @@ impl State {
         };
         let (prefix_cache, kv_resident_bytes) = match (loaded.as_ref().map(|l| &l.engine), self.options.device) {
             (Some(Engine::Cpu(model)), Device::Cpu) => (Some(model.prefix_cache.stats()), Some(model.kv_resident_bytes() as u64)),
+            (Some(_), Device::Sim) => (None, Some(self.kv_resident.load(Ordering::SeqCst))),
             _ => (None, None),
         };
         let mut reading = MemoryReading {
             prefix_cache,
             kv_resident_bytes,
+            preemptions: self.preemptions.load(Ordering::SeqCst),
             device: self.options.device.label(),
             simulated: self.options.device == Device::Sim,
             weights_bytes,
@@ -483,6 +491,9 @@ impl State {
                     }
                 }
             }
+            if self.ledger.is_some() {
+                self.take_next_blocks(loaded, &mut batch, &mut running);
+            }
             if batch.is_empty() {
                 continue;
             }
@@ -539,6 +550,9 @@ impl State {
                 }
             };
             self.faults.slow_down(step_started.elapsed());
+            let block_bytes = loaded.planner.kv_block_bytes();
+            let resident: u64 = batch.sessions().map(|(_, s)| s.positions().div_ceil(headroom_model::model::KV_BLOCK) as u64 * block_bytes).sum();
+            self.kv_resident.store(resident, Ordering::SeqCst);
             if left.is_empty() {
                 continue;
             }
@@ -550,6 +564,44 @@ impl State {
                 self.finish(&gone.key, last);
             }
             self.read_memory();
+        }
+    }
+
+    /// Under KV overcommit a request reserved only part of its blocks: before a step, each
+    /// running request (oldest first) takes from the device the blocks this step may write past
+    /// its reservation, keeping the VRAM reserve free. Where the device has none left, the
+    /// newest request is preempted: it leaves the batch with its checkpoint, its blocks go back,
+    /// and the router resumes it elsewhere. Without overcommit every block was reserved at
+    /// admission and nothing is taken here.
+    fn take_next_blocks<'m, M: Decoder>(&self, loaded: &Loaded, batch: &mut Batch<'m, M, String>, running: &mut HashMap<String, Running>) {
+        let block_bytes = loaded.planner.kv_block_bytes();
+        let keep_free = self.options.vram_reserve_mib * headroom_memory::MIB;
+        let mut i = 0;
+        loop {
+            let Some((id, needed)) = batch.sessions().nth(i).map(|(id, s)| (id.clone(), s.positions_after_step().div_ceil(headroom_model::model::KV_BLOCK) as u64)) else { return };
+            let run = running.get_mut(&id).expect("every batched request is running");
+            let short = needed.saturating_sub(run.kv_blocks);
+            let grown = match run.reservation.as_mut() {
+                Some(reservation) if short > 0 => reservation.try_grow(short * block_bytes, keep_free),
+                _ => Ok(()),
+            };
+            match grown {
+                Ok(()) => {
+                    run.kv_blocks = run.kv_blocks.max(needed);
+                    i += 1;
+                }
+                Err(e) => {
+                    let (newest, session) = batch.remove_newest().expect("the batch holds the request that needs a block");
+                    let run = running.remove(&newest).expect("every batched request is running");
+                    self.preemptions.fetch_add(1, Ordering::SeqCst);
+                    tracing::warn!(request_id = %newest, for_request = %id, error = %e, "no KV block left on the device: the newest request is preempted");
+                    let last = run.preempted_frame(&newest, &session, &e.to_string());
+                    // Its blocks are free before the router hears of it.
+                    drop(session);
+                    drop(run);
+                    self.finish(&newest, last);
+                }
+            }
         }
     }
 
@@ -592,16 +644,29 @@ impl State {
             return Err(refuse(FailureKind::Invalid, message));
         }
         // The KV cache and workspace are reserved up front, so an admitted stream never runs out
-        // of (simulated) device memory half way.
+        // of (simulated) device memory half way; under overcommit only part of the KV blocks
+        // are (see `take_next_blocks`).
+        let mut kv_blocks = 0;
         let reservation = match &self.ledger {
             Some(ledger) => {
                 if self.faults.take_oom_next_allocation() {
                     return Err(refuse(FailureKind::Oom, "simulated out-of-memory allocating the KV cache".into()));
                 }
                 let footprint = loaded.planner.footprint(RequestShape::of(request));
-                match ledger.try_reserve(id, footprint.request_bytes()) {
-                    Ok(r) => Some(r),
-                    Err(e) => return Err(refuse(FailureKind::Oom, format!("out of memory for the KV cache: {e}"))),
+                kv_blocks = footprint.kv_tokens.div_ceil(headroom_model::model::KV_BLOCK as u64);
+                if self.options.kv_overcommit > 1.0 {
+                    // Running requests take blocks past their reservations, which the router
+                    // sees only at the next reading: a new request must leave the reserve free
+                    // too, and where it cannot, it goes elsewhere like a preempted one.
+                    match ledger.try_reserve_keeping(id, footprint.request_bytes(), self.options.vram_reserve_mib * headroom_memory::MIB) {
+                        Ok(r) => Some(r),
+                        Err(e) => return Err(refuse(FailureKind::Preempted, format!("no KV blocks left on the device for a new request under overcommit: {e}"))),
+                    }
+                } else {
+                    match ledger.try_reserve(id, footprint.request_bytes()) {
+                        Ok(r) => Some(r),
+                        Err(e) => return Err(refuse(FailureKind::Oom, format!("out of memory for the KV cache: {e}"))),
+                    }
                 }
             }
             None => None,
@@ -623,7 +688,8 @@ impl State {
             }
         };
         let run = Running {
-            _reservation: reservation,
+            reservation,
+            kv_blocks,
             // An embedding makes no tokens: the fault waits for a generation.
             oom_after: if request.embed { None } else { self.faults.take_oom_after_tokens() },
             index: session.generated().len() as u32,
@@ -707,7 +773,9 @@ impl State {
 /// A request in the batch: what the worker tracks beside its session.
 struct Running {
     /// Its KV cache and workspace on the sim device, held until it leaves the batch.
-    _reservation: Option<Reservation>,
+    reservation: Option<Reservation>,
+    /// KV blocks its reservation covers (fewer than it may write under overcommit).
+    kv_blocks: u64,
     /// Tokens left before an injected out-of-memory fails it.
     oom_after: Option<u32>,
     /// The index of its next token (a resume continues the checkpoint's count).
@@ -718,6 +786,19 @@ struct Running {
 }
 
 impl Running {
+    /// The frame of a request preempted for a KV block: its checkpoint, to resume elsewhere.
+    fn preempted_frame<M: Decoder>(&self, id: &str, session: &Session<'_, M>, why: &str) -> FromWorker {
+        // Test-only: a preempted request fails like a plain error (the defect the control runs).
+        let replayable = !headroom_model::test_defect("preempt-unreplayable");
+        FromWorker::Failed {
+            request_id: Some(id.to_string()),
+            kind: if replayable { FailureKind::Preempted } else { FailureKind::Internal },
+            message: format!("preempted after {} tokens: no KV block left on the device for an older request ({why})", self.produced),
+            replayable,
+            checkpoint: Some(session.checkpoint()),
+        }
+    }
+
     /// The frame that ends a request which left the batch: done, cancelled, failed by an
     /// injected out-of-memory (with its checkpoint, to resume elsewhere) or by an error.
     fn last_frame<M: Decoder>(&self, id: &str, session: &Session<'_, M>, error: Option<headroom_model::Error>, out_of_memory: bool) -> FromWorker {
@@ -795,7 +876,7 @@ fn failure(request_id: Option<&str>, kind: FailureKind, message: String) -> From
     FromWorker::Failed {
         request_id: request_id.map(str::to_string),
         kind,
-        replayable: matches!(kind, FailureKind::Oom | FailureKind::DeviceLost | FailureKind::Busy),
+        replayable: matches!(kind, FailureKind::Oom | FailureKind::DeviceLost | FailureKind::Busy | FailureKind::Preempted),
         message,
         checkpoint: None,
     }

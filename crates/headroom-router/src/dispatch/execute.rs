@@ -169,6 +169,9 @@ impl Dispatcher {
         let metrics = &self.inner.metrics;
         metrics.failovers.get_or_create(&FailoverLabels { from: from.label(), to: Device::Cpu.label() }).inc();
         if resumed_after_tokens > 0 { metrics.resumes.inc() } else { metrics.replays.inc() };
+        if kind == FailureKind::Preempted {
+            metrics.preemptions.inc();
+        }
         x.attempt += 1;
         let next = if resumed_after_tokens > 0 {
             Transition::Resumed { to: Device::Cpu, attempt: x.attempt, after_tokens: resumed_after_tokens }

@@ -37,6 +37,9 @@ impl Dispatcher {
             m.vram_capacity_bytes.set(bytes(reading.capacity_bytes.unwrap_or(0)));
             m.vram_used_bytes.set(bytes(reading.used_bytes.unwrap_or(0)));
             m.vram_predicted_bytes.set(bytes(reading.weights_bytes + reading.reserved_bytes + reading.competing_bytes));
+            if let Some(resident) = reading.kv_resident_bytes {
+                m.gpu_kv_resident_bytes.set(bytes(resident));
+            }
         }
         if let Some(host) = headroom_memory::observe::host_memory() {
             m.host_total_bytes.set(bytes(host.total_bytes));
