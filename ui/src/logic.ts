@@ -435,9 +435,6 @@ export function tokenCount(n: number): string {
   return n >= 1024 && n % 1024 === 0 ? `${n / 1024}k` : n.toLocaleString("en");
 }
 
-/** Each worker as a person compares them: its model, context limit, how many requests it runs
- *  at once and its measured decode speed ("CPU: kjv-demo · up to 1k tokens · 4 at a time ·
- *  320 tokens/s"), from `/v1/status`. */
 /** The CPU worker's KV cache: what its blocks hold now against what admission reserved for
  *  its requests, and its prompt cache (finished requests' blocks kept for prompts that begin
  *  the same way) with the share of looked-up prompt tokens it held. Null before a reading. */
@@ -454,6 +451,21 @@ export function cpuKvLine(status: Json): string | null {
   return line;
 }
 
+/** The GPU's KV cache in blocks (where its worker counts them: the sim GPU): the blocks the
+ *  running requests wrote against what they reserved, and under overcommit the ratio and how
+ *  many requests were preempted for a block. Null without a reading. */
+export function gpuKvLine(status: Json): string | null {
+  const kv = status.memory?.gpu_kv;
+  if (!kv || typeof kv.resident_bytes !== "number") return null;
+  const mib = (b: number) => formatMiB(b / 1048576);
+  let line = `GPU KV cache: ${kv.resident_blocks} blocks of ${kv.block_tokens} tokens (${mib(kv.resident_bytes)}) written, ${mib(kv.reserved_bytes)} reserved for running requests`;
+  if (kv.overcommit > 1) line += `; overcommit ${kv.overcommit}×, ${kv.preemptions} preempted`;
+  return line;
+}
+
+/** Each worker as a person compares them: its model, context limit, how many requests it runs
+ *  at once and its measured decode speed ("CPU: kjv-demo · up to 1k tokens · 4 at a time ·
+ *  320 tokens/s"), from `/v1/status`. */
 export function workerLines(status: Json): { lane: string; text: string }[] {
   const workers: Json[] = status.workers ?? [];
   const queues: Json[] = Array.isArray(status.queues) ? status.queues : [];

@@ -155,14 +155,26 @@ pub fn plan(bundle: &ModelBundle, mut config: MemoryConfig, args: PlanArgs) -> R
     } else {
         println!("weights    {} on the CPU (the file's {} {} tensors)", human_bytes(footprint.weights_bytes), bundle.format.container, bundle.format.quantization);
     }
+    let block_tokens = shape.kv_block_tokens.max(1);
+    let (held_blocks, all_blocks) = (footprint.kv_tokens.div_ceil(block_tokens), footprint.tokens.div_ceil(block_tokens));
     println!(
-        "KV cache   {} = {} per token × {} tokens ({} prompt + {} max_tokens)",
+        "KV cache   {} = {} blocks × {} (a block: {} tokens × {} per token); {} tokens fill {} blocks ({} prompt + {} max_tokens)",
         human_bytes(footprint.kv_bytes),
+        held_blocks,
+        human_bytes(block_tokens * shape.kv_bytes_per_token()),
+        block_tokens,
         human_bytes(shape.kv_bytes_per_token()),
         footprint.tokens,
+        all_blocks,
         args.prompt_tokens,
         args.max_tokens
     );
+    if held_blocks < all_blocks {
+        println!(
+            "           overcommit {}×: {held_blocks} of the {all_blocks} blocks reserved, the rest taken as written; when none is left the newest request is preempted and resumes on the CPU (headroom serve overcommits on the sim GPU only for now)",
+            config.kv_overcommit
+        );
+    }
     println!(
         "workspace  {} (prefill chunk {}; {})",
         human_bytes(footprint.workspace_bytes),

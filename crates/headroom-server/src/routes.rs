@@ -599,6 +599,9 @@ fn status_body(state: &AppState) -> StatusBody {
         // alive: reserved against used.
         "host_reserved_bytes": s.host_reserved_bytes,
         "cpu_kv_resident_bytes": s.cpu_kv_resident_bytes,
+        // The GPU's KV cache in blocks (sim GPU): written against reserved, overcommit and
+        // preemptions.
+        "gpu_kv": s.gpu_kv,
         // Finished requests' KV blocks the CPU worker keeps for prompts that begin the same way.
         "cpu_prefix_cache": s.cpu_prefix_cache.map(|p| {
             let mut value = serde_json::to_value(p).unwrap_or_default();

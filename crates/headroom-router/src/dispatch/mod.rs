@@ -44,7 +44,7 @@ pub use lanes::{QueueConfig, QueueStatus};
 use recovery::journal_failure;
 use request::Start;
 pub use settings::{SettingsError, SettingsUpdate};
-pub use status::{Placement, ServiceStatus, WorkerSnapshot, WorkerState};
+pub use status::{GpuKv, Placement, ServiceStatus, WorkerSnapshot, WorkerState};
 use ticket::{Ended, Finished};
 pub use ticket::{Completion, StreamEvent, Submission, SubmitError, Ticket, WaitNotice};
 

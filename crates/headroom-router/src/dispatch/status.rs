@@ -74,6 +74,26 @@ pub struct ServiceStatus {
     /// promised against what the requests use.
     pub host_reserved_bytes: u64,
     pub cpu_kv_resident_bytes: Option<u64>,
+    /// The GPU's KV cache in blocks, where its worker counts them (the sim GPU).
+    pub gpu_kv: Option<GpuKv>,
+}
+
+/// The GPU worker's KV cache in blocks: what the running requests wrote against what they
+/// reserved, and the overcommit that lets them reserve less.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct GpuKv {
+    /// Positions per block, and one block's bytes (every layer).
+    pub block_tokens: u32,
+    pub block_bytes: u64,
+    /// Blocks the running requests wrote so far.
+    pub resident_blocks: u64,
+    pub resident_bytes: u64,
+    /// What the running requests hold on the device (KV blocks reserved and taken, workspace).
+    pub reserved_bytes: u64,
+    /// `kv_overcommit`: requests reserve 1/this of their blocks (1: all of them).
+    pub overcommit: f64,
+    /// Requests preempted for a block since the worker started.
+    pub preemptions: u64,
 }
 
 impl ServiceStatus {
@@ -151,6 +171,19 @@ impl Dispatcher {
         }
         let c = device.cpu.as_ref();
         workers.push(snapshot(Lane::Cpu, Device::Cpu, c, if c.is_some() { WorkerState::Ready } else { WorkerState::Down }));
+        let gpu_kv = gpu_memory.as_ref().and_then(|r| {
+            let planner = self.planner();
+            let block_bytes = planner.kv_block_bytes().max(1);
+            r.kv_resident_bytes.map(|resident| GpuKv {
+                block_tokens: headroom_model::model::KV_BLOCK as u32,
+                block_bytes,
+                resident_blocks: resident / block_bytes,
+                resident_bytes: resident,
+                reserved_bytes: r.reserved_bytes,
+                overcommit: planner.config.kv_overcommit,
+                preemptions: r.preemptions,
+            })
+        });
         ServiceStatus {
             degradation: degradation(&device, true, None, None, self.cpu_slower_by()),
             breaker: device.breaker,
@@ -163,6 +196,7 @@ impl Dispatcher {
             cpu_prefix_cache: s.cpu_worker().and_then(|w| w.memory().borrow().as_ref().and_then(|r| r.prefix_cache)),
             host_reserved_bytes: self.inner.host_ledger.held_bytes(),
             cpu_kv_resident_bytes: s.cpu_worker().and_then(|w| w.memory().borrow().as_ref().and_then(|r| r.kv_resident_bytes)),
+            gpu_kv,
         }
     }
 
