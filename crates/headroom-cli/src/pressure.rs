@@ -349,6 +349,54 @@ fn shrink_competitor(bundle: &ModelBundle, split: &Sizing, gpu_layers: u32) -> R
     Ok(None)
 }
 
+/// The ratio the overcommit scenario runs at, and its requests' max_tokens: long enough that
+/// they write well past a quarter of their blocks.
+const OVERCOMMIT: f64 = 4.0;
+const OVERCOMMIT_TOKENS: u32 = 96;
+
+/// A sim GPU for the KV-overcommit scenario: room (after weights and the reserve) for the
+/// reservations of `slots` short requests under [`OVERCOMMIT`] and about one block more (whole
+/// MiB), so the pool runs dry as they write past their reservations. None where the MiB
+/// rounding leaves room for all of their blocks (the pool could not run dry).
+fn overcommit_sizing(bundle: &ModelBundle, sizing: &Sizing, short_tokens: usize, slots: u64) -> Option<Sizing> {
+    let memory = MemoryConfig { vram_reserve_mib: Some(sizing.reserve_mib), kv_overcommit: OVERCOMMIT, ..MemoryConfig::default() };
+    let (planner, _) = headroom_memory::planner_for(bundle, "cpu", memory);
+    let chunk = GenerateRequest::new(vec![], 1, SamplingParams::default()).prefill_chunk as u64;
+    let footprint = planner.footprint(RequestShape { prompt_tokens: short_tokens as u64, max_tokens: OVERCOMMIT_TOKENS as u64, prefill_chunk: chunk });
+    let block = planner.kv_block_bytes();
+    let weights = ModelShape::from_config(&bundle.config).weights_bytes();
+    let reserved = slots * footprint.request_bytes();
+    let sim_vram_mib = (weights + reserved + block).div_ceil(MIB) + sizing.reserve_mib;
+    let spare = (sim_vram_mib - sizing.reserve_mib) * MIB - weights - reserved;
+    let growth = slots * (footprint.tokens.div_ceil(16) - footprint.kv_tokens.div_ceil(16)) * block;
+    (spare < growth).then(|| Sizing {
+        sim_vram_mib,
+        room_mib: (reserved + spare) as f64 / MIB as f64,
+        short_request_mib: footprint.request_bytes() as f64 / MIB as f64,
+        ..sizing.clone()
+    })
+}
+
+/// Runs `work` while sampling the GPU memory Headroom holds on `server` (in use less a
+/// competing program) every 50 ms; gives its output and the peak in MiB.
+async fn with_vram_peak<T>(server: &Server, work: impl std::future::Future<Output = T>) -> (T, f64) {
+    tokio::pin!(work);
+    let mut peak = 0.0f64;
+    loop {
+        tokio::select! {
+            out = &mut work => return (out, peak),
+            _ = tokio::time::sleep(Duration::from_millis(50)) => {
+                if let Ok(s) = server.status().await {
+                    let gpu = &s["memory"]["gpu"];
+                    if let Some(used) = gpu["used_bytes"].as_f64() {
+                        peak = peak.max((used - gpu["competing_bytes"].as_f64().unwrap_or(0.0)) / MIB as f64);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// One request the harness sends.
 #[derive(Clone)]
 struct Shot {
@@ -1288,6 +1336,67 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
         notes.push("the layer split runs on the sim GPU sized by the harness; on cuda use `headroom plan` and a model that does not fit".into());
     }
 
+    // KV overcommit: requests reserve a quarter of their KV blocks on a sim GPU that holds the
+    // full load's reservations and about a block more; the pool runs dry as they write, the
+    // newest are preempted to the CPU queue, and once one was, the GPU worker is killed at full
+    // load too.
+    let mut overcommit_run: Option<(u64, u64, f64)> = None;
+    let overcommit = if let (true, Some(s)) = (sim, &sizing) { overcommit_sizing(bundle, s, short_tokens, 4) } else { None };
+    match &overcommit {
+        Some(oc) => {
+            let ratio = OVERCOMMIT.to_string();
+            let oc_server = Server::start(model_dir, args.gpu, Some(oc), &out.join("overcommit-server"), &[("HEADROOM_KV_OVERCOMMIT", ratio.as_str())]).await?;
+            let placed = oc_server.status().await?["placement"]["gpu_layers"].clone();
+            if !placed.is_null() {
+                bail!("the overcommit server split the model ({placed} layers on a {} MiB sim GPU); it must hold it whole", oc.sim_vram_mib);
+            }
+            let (mut preempted, mut peak) = (0u64, 0.0f64);
+            let first = records.len();
+            for stream in [false, true] {
+                let mode = if stream { "streaming" } else { "plain" };
+                eprintln!("pressure: KV overcommit {OVERCOMMIT}× on a {} MiB sim GPU, {mode} requests", oc.sim_vram_mib);
+                oc_server.wait_gpu_restored(&clock, Duration::from_secs(60)).await?;
+                oc_server.fault(json!({"fault": "slowdown", "factor": 40.0})).await?;
+                // Their own prompt keys: token equivalence compares them among themselves.
+                let burst: Vec<Shot> = (0..scale.full_load)
+                    .map(|i| Shot {
+                        prompt_key: format!("overcommit-{}", i % VERSES.len()),
+                        body: chat_body(&model, VERSES[i % VERSES.len()], OVERCOMMIT_TOKENS, stream),
+                        ..short("overcommit_dry_kill", "kv_pool_dry_then_kill_9", i, stream)
+                    })
+                    .collect();
+                let (target, tl, ck) = (&oc_server, &timeline, &clock);
+                let fire = move || async move {
+                    // Up to 30 s for the pool to run dry (a preemption), then kill -9.
+                    let deadline = Instant::now() + Duration::from_secs(30);
+                    let seen = loop {
+                        let n = target.status().await?["memory"]["gpu_kv"]["preemptions"].as_u64().unwrap_or(0);
+                        if n > 0 || Instant::now() > deadline {
+                            break n;
+                        }
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    };
+                    mark(tl, ck, format!("overcommit: {seen} requests preempted; GPU worker killed"));
+                    target.kill_gpu_worker().await?;
+                    Ok(seen)
+                };
+                let seen = std::cell::Cell::new(0);
+                let fire = || async { fire().await.map(|n| seen.set(n)) };
+                let (result, held) = with_vram_peak(&oc_server, at_full_load(&oc_server, &clock, &timeline, format!("overcommit: pool dry, then kill_9 ({mode})"), burst, fire)).await;
+                let (burst, fired_at) = result?;
+                (preempted, peak) = (preempted + seen.get(), peak.max(held));
+                records.extend(burst);
+                recoveries.push(restore_after(&oc_server, &clock, "kv_pool_dry_then_kill_9", stream, fired_at).await);
+                oc_server.fault(json!({"fault": "clear"})).await?;
+            }
+            reconcile(&oc_server, &mut records[first..]).await;
+            oc_server.stop().await;
+            overcommit_run = Some((oc.sim_vram_mib, preempted, peak));
+        }
+        None if sim => notes.push("the KV-overcommit scenario needs a sim GPU (in whole MiB) whose spare room cannot hold the full load's blocks; none does for this model".into()),
+        None => notes.push("the KV-overcommit scenario runs on the sim GPU only (a CUDA worker does not count its blocks yet)".into()),
+    }
+
     // An agent with a side-effecting mock tool, on a second server whose model always calls it.
     let agent = run_agent(args.gpu, &out.join("agent"), &clock, &timeline, scale.agent_tasks, &[]).await?;
 
@@ -1331,7 +1440,7 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
     let worst_p95 = scenarios.iter().map(|s| s.p95_latency_ms).filter(|v| v.is_finite()).fold(0.0, f64::max);
     let at_full_load = records
         .iter()
-        .filter(|r| matches!(r.scenario.as_str(), "oom_before_generation" | "oom_mid_generation" | "driver_reset" | "split_oom_mid_generation" | "split_driver_reset" | "split_replan_reset" | "split_regrow_reset"))
+        .filter(|r| matches!(r.scenario.as_str(), "oom_before_generation" | "oom_mid_generation" | "driver_reset" | "split_oom_mid_generation" | "split_driver_reset" | "split_replan_reset" | "split_regrow_reset" | "overcommit_dry_kill"))
         .count();
     // Split traffic the GPU served must say it ran split, with the planned layer count.
     let split_records: Vec<&Record> = records.iter().filter(|r| r.scenario.starts_with("split_")).collect();
@@ -1384,6 +1493,18 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
                 None => "not run: the split needs the sim GPU sized by the harness".into(),
             },
         },
+        Criterion {
+            name: "KV overcommit: the pool ran dry, preempted requests resumed, the reserve held".into(),
+            passed: overcommit_run.is_none_or(|(mib, preempted, peak)| preempted > 0 && overcommit.as_ref().is_some_and(|oc| peak <= (mib - oc.reserve_mib) as f64 + 1e-6)),
+            detail: match (overcommit_run, &overcommit) {
+                (Some((mib, preempted, peak)), Some(oc)) => format!(
+                    "{preempted} requests preempted on a {mib} MiB sim GPU at overcommit {OVERCOMMIT}× before each kill -9; Headroom held at most {peak:.1} MiB there (capacity less the reserve: {} MiB); {} requests, none lost (see the first criterion)",
+                    mib - oc.reserve_mib,
+                    records.iter().filter(|r| r.scenario == "overcommit_dry_kill").count()
+                ),
+                _ => "not run (see the notes)".into(),
+            },
+        },
         Criterion { name: "p95 latency".into(), passed: worst_p95 <= scale.max_p95_ms, detail: format!("worst scenario p95 {worst_p95:.0} ms (threshold {:.0} ms)", scale.max_p95_ms) },
         Criterion { name: "GPU worker restored after each fault".into(), passed: unrestored.is_empty() && !recoveries.is_empty(), detail: if unrestored.is_empty() { format!("{} faults, all restored", recoveries.len()) } else { format!("not restored after {}", unrestored.join(", ")) } },
     ];
@@ -1400,6 +1521,13 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
                 json!({"available": true, "gpu_layers": gpu_layers, "layers": layers, "sim_vram_mib": mib, "requests": split.iter().map(|s| s.completed).sum::<usize>(), "on_cpu": split.iter().map(|s| s.on_cpu).sum::<usize>(), "p95_latency_ms": split.iter().map(|s| s.p95_latency_ms).filter(|v| v.is_finite()).fold(0.0, f64::max)})
             }
             None => json!({"available": false, "reason": "the split runs on the sim GPU sized by the harness"}),
+        },
+        "kv_overcommit": match (overcommit_run, &overcommit) {
+            (Some((mib, preempted, peak)), Some(oc)) => {
+                let over: Vec<&ScenarioSummary> = scenarios.iter().filter(|s| s.scenario == "overcommit_dry_kill").collect();
+                json!({"available": true, "overcommit": OVERCOMMIT, "sim_vram_mib": mib, "reserve_mib": oc.reserve_mib, "preempted": preempted, "vram_peak_mib": peak, "requests": over.iter().map(|s| s.completed).sum::<usize>(), "on_cpu": over.iter().map(|s| s.on_cpu).sum::<usize>()})
+            }
+            _ => json!({"available": false}),
         },
         "note": if sim { sim_note } else { "CUDA GPU" },
         "skipped": notes,
