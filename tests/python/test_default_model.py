@@ -86,7 +86,10 @@ def test_a_chat_second_turn_reuses_the_first_turns_cache_and_answers_the_same():
             assert memory["cpu_kv_resident_bytes"] == prefix["bytes"], (memory["cpu_kv_resident_bytes"], prefix)
             assert memory["host_reserved_bytes"] == 0, memory
             metrics = httpx.get(server.url + "/metrics", timeout=10).text
-            if cache_mib == 0:
+            # With no cache asked for, or on a CPU whose prefill is not the same bits in any
+            # chunks (the CPU worker keeps prefixes only on AVX-512 VNNI: a reused prefix could
+            # change a later token elsewhere), nothing is kept or reused.
+            if cache_mib == 0 or prefix["capacity_blocks"] == 0:
                 assert cached == [0, 0, 0], cached
                 assert prefix["blocks"] == 0 and prefix["reused_tokens"] == 0, prefix
                 continue
