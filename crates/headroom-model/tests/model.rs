@@ -34,16 +34,23 @@ fn loads_folder_with_grouped_query_attention_and_untied_head() {
     assert!(bundle.template.is_some());
 }
 
+/// The RoPE tables for `tokens` and the logits of every position from one pass without a cache.
+fn full_pass(bundle: &ModelBundle, model: &Llama<B>, tokens: &[u32]) -> (RopeTables<B>, Vec<f32>) {
+    let device = Default::default();
+    let rope = RopeTables::<B>::new(&bundle.config, tokens.len(), &device);
+    let ids: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
+    let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, tokens.len()]), &device);
+    let full = model.forward(input, &rope).into_data().into_vec::<f32>().unwrap();
+    (rope, full)
+}
+
 #[test]
 fn cached_decoding_matches_a_full_forward_pass() {
     let (_dir, bundle, model) = fixture(StoreDtype::F32);
     let tokens = prompt(&bundle);
     let n = tokens.len();
     let device = Default::default();
-    let rope = RopeTables::<B>::new(&bundle.config, n, &device);
-    let ids: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
-    let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, n]), &device);
-    let full = model.forward(input, &rope).into_data().into_vec::<f32>().unwrap();
+    let (rope, full) = full_pass(&bundle, &model, &tokens);
     let vocab = bundle.config.vocab_size;
 
     // Prefill half, then one token at a time: every position's logits must agree.
@@ -366,10 +373,7 @@ fn a_cache_in_blocks_gives_the_logits_of_a_full_pass() {
     let tokens: Vec<u32> = (0..53).map(|i| (i * 37 % 250) as u32).collect();
     let n = tokens.len();
     let device = Default::default();
-    let rope = RopeTables::<B>::new(&bundle.config, n, &device);
-    let ids: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
-    let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, n]), &device);
-    let full = model.forward(input, &rope).into_data().into_vec::<f32>().unwrap();
+    let (rope, full) = full_pass(&bundle, &model, &tokens);
     let vocab = bundle.config.vocab_size;
     let block = headroom_model::model::KV_BLOCK;
 
