@@ -188,22 +188,23 @@ impl Planner {
         Self { gpu_layers: Some(gpu_layers), ..self }
     }
 
-    /// The request on the device this planner is for (of a split, the GPU's layers' share).
-    pub fn footprint(&self, request: RequestShape) -> Footprint {
-        let shape = match self.gpu_layers {
+    /// The model as the device this planner is for holds it (of a split, the GPU's layers).
+    fn device_shape(&self) -> ModelShape {
+        match self.gpu_layers {
             Some(n) => crate::split::gpu_part_shape(&self.shape, n),
             None => self.shape.clone(),
-        };
-        Footprint::overcommitted(&shape, request, &self.calibration, self.config.fragmentation_margin_percent, self.config.kv_overcommit)
+        }
+    }
+
+    /// The request on the device this planner is for (of a split, the GPU's layers' share).
+    pub fn footprint(&self, request: RequestShape) -> Footprint {
+        Footprint::overcommitted(&self.device_shape(), request, &self.calibration, self.config.fragmentation_margin_percent, self.config.kv_overcommit)
     }
 
     /// Bytes of one KV block (every layer) on the device this planner is for: what a request
     /// takes for each block it writes past its reservation under overcommit.
     pub fn kv_block_bytes(&self) -> u64 {
-        let shape = match self.gpu_layers {
-            Some(n) => crate::split::gpu_part_shape(&self.shape, n),
-            None => self.shape.clone(),
-        };
+        let shape = self.device_shape();
         shape.kv_bytes_per_token() * shape.kv_block_tokens.max(1)
     }
 

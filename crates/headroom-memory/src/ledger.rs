@@ -15,6 +15,25 @@ struct Inner {
     held: BTreeMap<u64, (String, u64)>,
 }
 
+impl Inner {
+    /// Takes `bytes` if `keep_free` is still free after them; the refusal names `device`.
+    fn take(&mut self, device: &str, bytes: u64, keep_free: u64) -> Result<(), Insufficient> {
+        let free = self.capacity_bytes.saturating_sub(self.held_bytes).saturating_sub(keep_free);
+        if bytes > free {
+            return Err(Insufficient {
+                device: device.to_string(),
+                wanted: human_bytes(bytes),
+                free: human_bytes(free),
+                capacity: human_bytes(self.capacity_bytes),
+                wanted_bytes: bytes,
+                free_bytes: free,
+            });
+        }
+        self.held_bytes += bytes;
+        Ok(())
+    }
+}
+
 /// Shared, thread-safe; cloning gives another handle on the same ledger.
 #[derive(Debug, Clone)]
 pub struct Ledger {
@@ -50,20 +69,8 @@ impl Reservation {
     /// Takes `bytes` more if the ledger still has `keep_free` free after them, atomically (a
     /// request's KV cache growing past its reservation under overcommit).
     pub fn try_grow(&mut self, bytes: u64, keep_free: u64) -> Result<(), Insufficient> {
-        let mut inner = self.ledger.inner.lock().unwrap_or_else(|p| p.into_inner());
-        let capacity = inner.capacity_bytes;
-        let free = capacity.saturating_sub(inner.held_bytes).saturating_sub(keep_free);
-        if bytes > free {
-            return Err(Insufficient {
-                device: self.ledger.device.clone(),
-                wanted: human_bytes(bytes),
-                free: human_bytes(free),
-                capacity: human_bytes(capacity),
-                wanted_bytes: bytes,
-                free_bytes: free,
-            });
-        }
-        inner.held_bytes += bytes;
+        let mut inner = self.ledger.lock();
+        inner.take(&self.ledger.device, bytes, keep_free)?;
         if let Some(held) = inner.held.get_mut(&self.id) {
             held.1 += bytes;
         }
@@ -106,20 +113,9 @@ impl Ledger {
     /// Grants `bytes` if `keep_free` is still free after them, atomically.
     pub fn try_reserve_keeping(&self, owner: &str, bytes: u64, keep_free: u64) -> Result<Reservation, Insufficient> {
         let mut inner = self.lock();
-        let free = inner.capacity_bytes.saturating_sub(inner.held_bytes).saturating_sub(keep_free);
-        if bytes > free {
-            return Err(Insufficient {
-                device: self.device.clone(),
-                wanted: human_bytes(bytes),
-                free: human_bytes(free),
-                capacity: human_bytes(inner.capacity_bytes),
-                wanted_bytes: bytes,
-                free_bytes: free,
-            });
-        }
+        inner.take(&self.device, bytes, keep_free)?;
         let id = inner.next_id;
         inner.next_id += 1;
-        inner.held_bytes += bytes;
         inner.held.insert(id, (owner.to_string(), bytes));
         Ok(Reservation {
             ledger: self.clone(),

@@ -203,7 +203,7 @@ impl<B: Backend> Decoder for Llama<B> {
     type Cache = BurnCache<B>;
     fn new_cache(&self, config: &crate::LlamaConfig, capacity: usize) -> BurnCache<B> {
         let device = self.embed_tokens.weight.device();
-        BurnCache { rope: RopeTables::new(config, capacity, &device), kv: KvCache::new(config, capacity, &device) }
+        BurnCache { rope: RopeTables::new(config, capacity, &device), kv: KvCache::new(config, capacity) }
     }
     fn feed(&self, tokens: &[u32], cache: &mut BurnCache<B>) -> Vec<f32> {
         self.step(tokens, &cache.rope, &mut cache.kv)

@@ -221,7 +221,9 @@ pub struct KvCache<B: Backend> {
 }
 
 impl<B: Backend> KvCache<B> {
-    pub fn new(config: &LlamaConfig, capacity: usize, _device: &B::Device) -> Self {
+    /// An empty cache of every layer (its blocks are made on the device of the first keys
+    /// written).
+    pub fn new(config: &LlamaConfig, capacity: usize) -> Self {
         Self::for_layers(config, config.num_hidden_layers, capacity)
     }
 

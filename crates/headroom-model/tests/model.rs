@@ -49,12 +49,11 @@ fn cached_decoding_matches_a_full_forward_pass() {
     let (_dir, bundle, model) = fixture(StoreDtype::F32);
     let tokens = prompt(&bundle);
     let n = tokens.len();
-    let device = Default::default();
     let (rope, full) = full_pass(&bundle, &model, &tokens);
     let vocab = bundle.config.vocab_size;
 
     // Prefill half, then one token at a time: every position's logits must agree.
-    let mut cache = headroom_model::KvCache::new(&bundle.config, n, &device);
+    let mut cache = headroom_model::KvCache::new(&bundle.config, n);
     let half = n / 2;
     let mut got = model.step(&tokens[..half], &rope, &mut cache);
     let mut pos = half - 1;
@@ -181,7 +180,7 @@ fn half_precision_weights_load_as_f32() {
     let device = Default::default();
     let rope = RopeTables::<B>::new(&bundle.config, tokens.len(), &device);
     let logits = |m: &Llama<B>| {
-        let mut cache = headroom_model::KvCache::new(&bundle.config, tokens.len(), &device);
+        let mut cache = headroom_model::KvCache::new(&bundle.config, tokens.len());
         m.step(&tokens, &rope, &mut cache)
     };
     let (a, b) = (logits(&f32_model), logits(&bf16_model));
@@ -346,7 +345,7 @@ fn matrices_load_in_the_type_asked_for_and_give_the_f32_logits() {
         let tokens = prompt(&bundle);
         let rope = RopeTables::<B>::new(&bundle.config, tokens.len() + 1, &device);
         let logits = |m: &Llama<B>| {
-            let mut cache = headroom_model::KvCache::new(&bundle.config, tokens.len() + 1, &device);
+            let mut cache = headroom_model::KvCache::new(&bundle.config, tokens.len() + 1);
             let mut out = m.step(&tokens, &rope, &mut cache);
             out.extend(m.step(&[7], &rope, &mut cache));
             out
@@ -372,12 +371,11 @@ fn a_cache_in_blocks_gives_the_logits_of_a_full_pass() {
     let (_dir, bundle, model) = fixture(StoreDtype::F32);
     let tokens: Vec<u32> = (0..53).map(|i| (i * 37 % 250) as u32).collect();
     let n = tokens.len();
-    let device = Default::default();
     let (rope, full) = full_pass(&bundle, &model, &tokens);
     let vocab = bundle.config.vocab_size;
     let block = headroom_model::model::KV_BLOCK;
 
-    let mut cache = headroom_model::KvCache::new(&bundle.config, n, &device);
+    let mut cache = headroom_model::KvCache::new(&bundle.config, n);
     assert_eq!(cache.resident_bytes(), 0, "nothing is held before a position is written");
     // Chunks of 5, 20 and 1: one starts and ends inside blocks, one spans a whole block.
     let mut fed = 0;

@@ -550,9 +550,12 @@ impl State {
                 }
             };
             self.faults.slow_down(step_started.elapsed());
-            let block_bytes = loaded.planner.kv_block_bytes();
-            let resident: u64 = batch.sessions().map(|(_, s)| s.positions().div_ceil(headroom_model::model::KV_BLOCK) as u64 * block_bytes).sum();
-            self.kv_resident.store(resident, Ordering::SeqCst);
+            if self.ledger.is_some() {
+                // Only the sim device reports its requests' blocks (see `memory`).
+                let block_bytes = loaded.planner.kv_block_bytes();
+                let resident: u64 = batch.sessions().map(|(_, s)| s.positions().div_ceil(headroom_model::model::KV_BLOCK) as u64 * block_bytes).sum();
+                self.kv_resident.store(resident, Ordering::SeqCst);
+            }
             if left.is_empty() {
                 continue;
             }
