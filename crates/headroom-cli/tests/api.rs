@@ -517,6 +517,51 @@ async fn the_ollama_api_answers_in_ollama_shapes() {
     api.stop().await;
 }
 
+/// Ollama's keep_alive on a sim GPU: `keep_alive: 0` on a load call unloads the GPU's copy
+/// (its worker exits, `/api/ps` shows no VRAM, nothing is degraded); the next chat loads it
+/// again, runs on the GPU and reports the load in `load_duration`; its keep_alive ("5m") is the
+/// one `/api/ps` counts down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ollamas_keep_alive_unloads_the_gpu_copy_and_the_next_chat_loads_it() {
+    let api = api(true, None).await;
+    wait_for_status(&api, "the GPU worker to be ready", |s| gpu_worker(s)["state"] == "ready").await;
+    let ps = api.call("GET", "/api/ps", &[], None).await.json();
+    assert!(ps["models"][0]["size_vram"].as_u64().is_some_and(|b| b > 0), "{ps}");
+    assert_eq!(ps["models"][0]["expires_at"], "0001-01-01T00:00:00Z", "-1 by default: never unloads");
+
+    let unload = api.call("POST", "/api/generate", &[], Some(json!({"model": "kjv-demo", "keep_alive": 0}).to_string())).await.json();
+    assert_eq!(unload["done_reason"], "unload", "{unload}");
+    let status = wait_for_status(&api, "the GPU's copy to unload", |s| s["gpu_residency"]["state"] == "unloaded" && gpu_worker(s)["pid"].is_null()).await;
+    assert_eq!(gpu_worker(&status)["state"], "unloaded");
+    assert_eq!(status["degraded"], false, "an unloaded model is not degraded: {status}");
+    let ps = api.call("GET", "/api/ps", &[], None).await.json();
+    assert_eq!(ps["models"][0]["size_vram"], 0, "{ps}");
+    assert_eq!(ps["models"][0]["headroom"]["gpu_residency"]["state"], "unloaded");
+
+    let mut body = ollama_chat(4, 1, false);
+    body["keep_alive"] = json!("5m");
+    let chat = api.call("POST", "/api/chat", &[], Some(body.to_string())).await;
+    assert_eq!(chat.status, StatusCode::OK, "{}", chat.text);
+    assert_eq!(chat.header("x-headroom-device"), "sim", "it waited for the load on the GPU, not the CPU");
+    let chat = chat.json();
+    assert_eq!(chat["headroom"]["degraded"], false, "{chat}");
+    assert!(chat["load_duration"].as_u64().is_some_and(|ns| ns > 0), "the load is reported: {chat}");
+    let ps = api.call("GET", "/api/ps", &[], None).await.json();
+    let model = &ps["models"][0];
+    assert!(model["size_vram"].as_u64().is_some_and(|b| b > 0), "{ps}");
+    assert_eq!(model["headroom"]["gpu_residency"]["keep_alive"], "5m");
+    let left = model["headroom"]["gpu_residency"]["unloads_in_ms"].as_u64().expect("a countdown while loaded and idle");
+    assert!(left > 200_000 && left <= 300_000, "{left}");
+    assert_ne!(model["expires_at"], "0001-01-01T00:00:00Z");
+
+    // Loaded already: a load call loads nothing.
+    let again = api.call("POST", "/api/chat", &[], Some(json!({"model": "kjv-demo", "messages": [], "keep_alive": -1}).to_string())).await.json();
+    assert_eq!(again["done_reason"], "load", "{again}");
+    let ps = api.call("GET", "/api/ps", &[], None).await.json();
+    assert_eq!(ps["models"][0]["expires_at"], "0001-01-01T00:00:00Z", "-1 again: {ps}");
+    api.stop().await;
+}
+
 /// Bad input to the Ollama routes is a 4xx in Ollama's error shape (`{"error": ...}`) that says
 /// what to fix; nothing is accepted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -541,6 +586,8 @@ async fn bad_ollama_input_gets_an_ollama_error_that_says_what_to_fix() {
         (with(json!({"messages": [{"role": "wizard", "content": "hi"}]})), StatusCode::BAD_REQUEST, "wizard"),
         (with(json!({"messages": [{"role": "user", "content": "look", "images": ["aGk="]}]})), StatusCode::BAD_REQUEST, "text only"),
         (with(json!({"tools": [{"type": "function"}]})), StatusCode::BAD_REQUEST, "/v1/chat/completions"),
+        (with(json!({"keep_alive": "soon"})), StatusCode::BAD_REQUEST, "keep_alive \"soon\" is not a duration"),
+        (with(json!({"keep_alive": true})), StatusCode::BAD_REQUEST, "keep_alive = true"),
         ("{not json".to_string(), StatusCode::BAD_REQUEST, "invalid request body"),
     ] {
         let r = api.call("POST", "/api/chat", &[], Some(body.clone())).await;

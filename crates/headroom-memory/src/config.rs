@@ -49,6 +49,12 @@ pub struct MemoryConfig {
     /// running request, the newest request is preempted: it moves to the CPU queue and resumes
     /// there from its checkpoint (journaled, nothing lost). Only the sim GPU counts blocks today.
     pub kv_overcommit: f64,
+    /// How long the GPU keeps the model loaded after its last request (Ollama's `keep_alive`:
+    /// `"5m"`, `"1h"`, seconds; 0 unloads it as soon as it is idle, -1 never). An unloaded
+    /// model frees its VRAM for other programs and loads again for the next request, which
+    /// waits for the load on the GPU rather than going to the CPU. The CPU worker stays loaded:
+    /// it is the failover. A request's own `keep_alive` (Ollama's API) replaces it from then on.
+    pub keep_alive: crate::KeepAlive,
 }
 
 impl Default for MemoryConfig {
@@ -69,6 +75,7 @@ impl Default for MemoryConfig {
             gpu_layers: crate::split::GpuLayers::Auto,
             split_min_context_tokens: 4096,
             kv_overcommit: 1.0,
+            keep_alive: crate::KeepAlive::Forever,
         }
     }
 }
@@ -145,6 +152,13 @@ impl MemoryConfig {
         }
         if let Some(v) = env_parse("HEADROOM_KV_OVERCOMMIT")? {
             self.kv_overcommit = v;
+        }
+        // Ollama's variable is read too, so a setup written for Ollama keeps its behaviour;
+        // Headroom's own wins.
+        for name in ["OLLAMA_KEEP_ALIVE", "HEADROOM_KEEP_ALIVE"] {
+            if let Ok(v) = std::env::var(name) {
+                self.keep_alive = v.parse().map_err(|e| Error::Config(format!("{name}: {e}")))?;
+            }
         }
         self.validate()
     }

@@ -6,6 +6,7 @@ pub mod admit;
 pub mod calibration;
 pub mod config;
 pub mod footprint;
+pub mod keep_alive;
 pub mod ledger;
 pub mod observe;
 pub mod split;
@@ -14,6 +15,7 @@ pub use admit::{decide_dropping, thousands, Admission, Allowances, Budget, Plann
 pub use calibration::{planner_for, CalibrationEntry, CalibrationFile, ResolvedCalibration};
 pub use config::MemoryConfig;
 pub use footprint::{Calibration, Footprint, ModelShape, RequestShape, WorkspaceSample, GIB, MIB};
+pub use keep_alive::KeepAlive;
 pub use ledger::{Insufficient, Ledger, Reservation};
 pub use observe::{CountingAllocator, GpuMemory, HostMemory, MemorySampler, Sample};
 pub use split::{gpu_part_shape, gpu_shape, plan_model_split, plan_split, Bandwidths, GpuLayers, SplitInputs, SplitPlan};

@@ -62,6 +62,10 @@ impl DegradedCause {
         if status.gpu_paused {
             return Self::GpuPaused;
         }
+        // An unloaded model loads for GPU requests; one the CPU answers had no room to load.
+        if status.gpu_unloaded {
+            return Self::GpuMemory;
+        }
         if status.gpu.is_none() {
             return Self::GpuStarting;
         }
@@ -133,6 +137,7 @@ mod tests {
             reason: "healthy".into(),
             degraded: false,
             gpu_paused: false,
+            gpu_unloaded: false,
             gpu: Some(worker(Device::Cuda(0), "SmolLM2", Some(8192))),
             cpu: Some(worker(Device::Cpu, "SmolLM2-small", Some(8192))),
         }
@@ -169,6 +174,10 @@ mod tests {
         assert!(degradation(&paused, true, None, Some("the GPU is paused in settings"), None).unwrap().summary.starts_with("The GPU is paused in Settings;"));
         let starting = DeviceStatus { gpu: None, ..status() };
         assert!(degradation(&starting, true, None, Some("no healthy GPU"), None).unwrap().summary.starts_with("The GPU is starting;"));
+        // An unloaded model has no worker either, but the CPU answers only when it found no room.
+        let unloaded = DeviceStatus { gpu: None, gpu_unloaded: true, ..status() };
+        assert!(degradation(&unloaded, true, None, Some("the model needs 5 MiB to load"), None).unwrap().summary.starts_with("The GPU is out of memory;"));
+        assert!(degradation(&unloaded, false, None, None, None).is_none(), "a reply from the GPU after a load is not degraded");
         let admitted = degradation(&status(), true, None, Some("the request needs 5.1 MiB; 1.0 MiB free on the GPU"), Some(1.1)).unwrap();
         assert_eq!(admitted.summary, "The GPU is out of memory; SmolLM2-small on the CPU is answering, up to 8k tokens.", "about as fast: no speed claim");
         assert!(admitted.reason.contains("5.1 MiB"), "the figures stay in the reason");

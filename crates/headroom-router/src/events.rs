@@ -37,6 +37,10 @@ pub enum EventKind {
     },
     /// The GPU was paused or resumed in settings (the person's choice, not a failure).
     GpuPaused { paused: bool, reason: String },
+    /// The GPU's copy of the model was unloaded: idle past its keep_alive (not degraded).
+    GpuModelUnloaded { device: Device, reason: String },
+    /// A request asked for the unloaded model: its GPU worker is starting for it.
+    GpuModelLoading { device: Device, reason: String },
     /// Settings changed: all of them now, which changed, and which of those wait for a restart.
     SettingsChanged { settings: crate::settings::Settings, changed: Vec<String>, restart_required: Vec<String> },
     WorkerStarted { device: Device, pid: u32, simulated: bool, load_ms: f64, bundle_hash: String },

@@ -17,6 +17,7 @@ use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Json;
+use headroom_memory::KeepAlive;
 use headroom_router::StreamEvent;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
@@ -114,7 +115,6 @@ struct ChatBody {
     format: Option<Value>,
     options: Option<Value>,
     tools: Option<Value>,
-    #[allow(dead_code)]
     keep_alive: Option<Value>,
 }
 
@@ -130,7 +130,6 @@ struct GenerateBody {
     format: Option<Value>,
     options: Option<Value>,
     images: Option<Vec<Value>>,
-    #[allow(dead_code)]
     keep_alive: Option<Value>,
 }
 
@@ -145,6 +144,40 @@ fn check_model(state: &AppState, requested: &str) -> Result<()> {
         return Ok(());
     }
     Err(ApiError::not_found("model_not_found", format!("model {requested:?} not found; this server serves {:?} (GET /api/tags)", state.model_id)).into())
+}
+
+/// Reads a request's `keep_alive` (400 naming the forms when it is none of them). Ollama's
+/// meaning: how long the model stays loaded after this request, replacing what was in force.
+fn read_keep_alive(value: &Option<Value>) -> Result<Option<KeepAlive>> {
+    match value {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => KeepAlive::from_json(v).map(Some).map_err(|e| ApiError::invalid("keep_alive", e).into()),
+    }
+}
+
+/// Ollama's load and unload calls: a generate with an empty prompt or a chat with no messages
+/// loads the model (on the GPU, if its keep_alive had unloaded it) and answers at once;
+/// with `keep_alive: 0` it unloads the GPU's copy instead, once no request uses it.
+async fn load_or_unload(state: &AppState, keep_alive: Option<KeepAlive>, shape: Shape, started: Instant) -> Response {
+    let (key, value) = shape.piece("");
+    let done_reason = if keep_alive == Some(KeepAlive::For(std::time::Duration::ZERO)) {
+        state.dispatcher.unload_if_idle();
+        "unload"
+    } else {
+        state.dispatcher.load_gpu().await;
+        "load"
+    };
+    let mut body = Map::new();
+    body.insert("model".into(), json!(model_name(state)));
+    body.insert("created_at".into(), json!(created_at()));
+    body.insert(key.into(), value);
+    body.insert("done".into(), json!(true));
+    body.insert("done_reason".into(), json!(done_reason));
+    if done_reason == "load" {
+        body.insert("total_duration".into(), json!(started.elapsed().as_nanos() as u64));
+        body.insert("load_duration".into(), json!(started.elapsed().as_nanos() as u64));
+    }
+    Json(Value::Object(body)).into_response()
 }
 
 /// `format` asks for constrained output (JSON, a schema): not supported, refused clearly
@@ -247,8 +280,8 @@ fn final_fields(c: &headroom_router::Completion, started: Instant) -> Map<String
     m.insert("done".into(), json!(true));
     m.insert("done_reason".into(), json!(openai::finish_reason(o, false)));
     m.insert("total_duration".into(), json!(started.elapsed().as_nanos() as u64));
-    // The model is loaded when the server starts, not per request.
-    m.insert("load_duration".into(), json!(0));
+    // Non-zero when the model had been unloaded (keep_alive) and loaded for this request.
+    m.insert("load_duration".into(), json!(ns(c.load_ms)));
     m.insert("prompt_eval_count".into(), json!(o.prompt_tokens));
     m.insert("prompt_eval_duration".into(), json!(ns(o.prefill_ms)));
     m.insert("eval_count".into(), json!(o.completion_tokens));
@@ -299,7 +332,15 @@ pub(crate) async fn tags(State(state): Shared) -> Json<Value> {
 pub(crate) async fn ps(State(state): Shared) -> Json<Value> {
     let status = state.dispatcher.status();
     let gpu = status.workers.iter().find(|w| w.lane == headroom_router::Lane::Gpu);
-    let vram = gpu.and_then(|_| status.gpu_memory.as_ref().map(|m| m.weights_bytes + m.reserved_bytes)).unwrap_or(0);
+    let residency = status.gpu_residency.as_ref();
+    let gpu_loaded = residency.is_none_or(|r| r.state == "loaded");
+    let vram = gpu.filter(|_| gpu_loaded).and_then(|_| status.gpu_memory.as_ref().map(|m| m.weights_bytes + m.reserved_bytes)).unwrap_or(0);
+    // When the GPU's copy unloads; the CPU worker's copy stays (it is the failover), so the
+    // model stays listed, with no VRAM once the GPU's copy is gone.
+    let expires_at = residency
+        .and_then(|r| r.unloads_in_ms)
+        .map(|ms| rfc3339(std::time::SystemTime::now() + std::time::Duration::from_millis(ms)))
+        .unwrap_or_else(|| "0001-01-01T00:00:00Z".into());
     Json(json!({"models": [{
         "name": model_name(&state),
         "model": model_name(&state),
@@ -307,9 +348,9 @@ pub(crate) async fn ps(State(state): Shared) -> Json<Value> {
         "size_vram": vram,
         "digest": state.bundle.short_hash(),
         "details": details(&state),
-        // Ollama unloads idle models; Headroom keeps its workers loaded while it runs.
-        "expires_at": "0001-01-01T00:00:00Z",
+        "expires_at": expires_at,
         "headroom": {
+            "gpu_residency": residency,
             "device": gpu.map(|g| g.device.label()).unwrap_or_else(|| "cpu".into()),
             "degraded": status.degraded(),
             "degraded_reason": status.degradation.as_ref().map(|d| &d.reason),
@@ -364,9 +405,14 @@ pub(crate) async fn chat(State(state): Shared, headers: HeaderMap, body: std::re
     if request.tools.as_ref().is_some_and(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty())) {
         return Err(ApiError::invalid("tools", "tools are served on POST /v1/chat/completions (OpenAI's shape); /api/chat answers in text").into());
     }
+    let keep_alive = read_keep_alive(&request.keep_alive)?;
     let stream = request.stream.unwrap_or(true);
     let mut openai_body = Map::new();
     let limits = translate_options(request.options, &state.limits_now(), stream, &mut openai_body)?;
+    if request.messages.is_empty() {
+        keep_alive.inspect(|k| state.dispatcher.set_keep_alive(*k));
+        return Ok(load_or_unload(&state, keep_alive, Shape::Chat, started).await);
+    }
     let mut messages = Vec::with_capacity(request.messages.len());
     for (i, m) in request.messages.iter().enumerate() {
         if m.get("images").is_some_and(|v| !v.is_null() && v.as_array().is_none_or(|a| !a.is_empty())) {
@@ -378,6 +424,7 @@ pub(crate) async fn chat(State(state): Shared, headers: HeaderMap, body: std::re
     openai_body.insert("messages".into(), Value::Array(messages));
     let body: ChatCompletionRequest = serde_json::from_value(Value::Object(openai_body)).map_err(|e| ApiError::invalid("messages", format!("messages: {e}")))?;
     let prepared = openai::prepare_chat(&state.bundle, &state.model_id, &limits, &body)?;
+    keep_alive.inspect(|k| state.dispatcher.set_keep_alive(*k));
     answer(state, &headers, &raw, prepared, Shape::Chat, started).await
 }
 
@@ -392,9 +439,10 @@ pub(crate) async fn generate(State(state): Shared, headers: HeaderMap, body: std
     if request.images.as_ref().is_some_and(|i| !i.is_empty()) {
         return Err(ApiError::invalid("images", "images were sent: this model reads text only").into());
     }
+    let keep_alive = read_keep_alive(&request.keep_alive)?;
     if request.prompt.is_empty() {
-        // Ollama's "load the model" call: it is loaded already.
-        return Ok(Json(json!({"model": model_name(&state), "created_at": created_at(), "response": "", "done": true, "done_reason": "load"})).into_response());
+        keep_alive.inspect(|k| state.dispatcher.set_keep_alive(*k));
+        return Ok(load_or_unload(&state, keep_alive, Shape::Generate, started).await);
     }
     let stream = request.stream.unwrap_or(true);
     let mut openai_body = Map::new();
@@ -415,6 +463,7 @@ pub(crate) async fn generate(State(state): Shared, headers: HeaderMap, body: std
         let body: ChatCompletionRequest = serde_json::from_value(Value::Object(openai_body)).map_err(|e| ApiError::invalid("prompt", format!("prompt: {e}")))?;
         openai::prepare_chat(&state.bundle, &state.model_id, &limits, &body)?
     };
+    keep_alive.inspect(|k| state.dispatcher.set_keep_alive(*k));
     answer(state, &headers, &raw, prepared, Shape::Generate, started).await
 }
 
@@ -425,7 +474,6 @@ struct EmbedBody {
     truncate: Option<bool>,
     dimensions: Option<u32>,
     options: Option<Value>,
-    #[allow(dead_code)]
     keep_alive: Option<Value>,
 }
 
@@ -444,6 +492,7 @@ pub(crate) async fn embed(State(state): Shared, headers: HeaderMap, body: std::r
     let mut unused = Map::new();
     let limits = translate_options(request.options, &state.limits_now(), false, &mut unused)?;
     let ask = crate::embeddings::Ask { field: "input", texts, truncate: request.truncate == Some(true), limit: limits.context_tokens, options: Default::default() };
+    read_keep_alive(&request.keep_alive)?.inspect(|k| state.dispatcher.set_keep_alive(*k));
     let done = crate::embeddings::embed(&state, &headers, &raw, ask).await?;
     let embeddings: Vec<&[f32]> = done.iter().map(crate::embeddings::vector).collect();
     let placement = crate::embeddings::placement(&done);
@@ -452,8 +501,7 @@ pub(crate) async fn embed(State(state): Shared, headers: HeaderMap, body: std::r
         "model": model_name(&state),
         "embeddings": embeddings,
         "total_duration": started.elapsed().as_nanos() as u64,
-        // The model is loaded when the server starts, not per request.
-        "load_duration": 0,
+        "load_duration": (done.iter().map(|c| c.load_ms).fold(0.0, f64::max) * 1e6).round() as u64,
         "prompt_eval_count": done.iter().map(|c| c.outcome.prompt_tokens).sum::<u32>(),
         "headroom": headroom,
     });
@@ -465,7 +513,6 @@ struct EmbeddingsBody {
     model: String,
     prompt: Option<String>,
     options: Option<Value>,
-    #[allow(dead_code)]
     keep_alive: Option<Value>,
 }
 
@@ -482,6 +529,7 @@ pub(crate) async fn embeddings(State(state): Shared, headers: HeaderMap, body: s
     let mut unused = Map::new();
     let limits = translate_options(request.options, &state.limits_now(), false, &mut unused)?;
     let ask = crate::embeddings::Ask { field: "prompt", texts, truncate: false, limit: limits.context_tokens, options: Default::default() };
+    read_keep_alive(&request.keep_alive)?.inspect(|k| state.dispatcher.set_keep_alive(*k));
     let done = crate::embeddings::embed(&state, &headers, &raw, ask).await?;
     let body = json!({"embedding": crate::embeddings::vector(&done[0]), "headroom": HeadroomInfo::of(&done[0])});
     Ok(with_placement(Json(body).into_response(), &done[0].placement()))

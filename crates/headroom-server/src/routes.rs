@@ -568,6 +568,11 @@ pub struct StatusBody {
     /// and a split's predicted decode tokens/s (an upper bound from each device's bandwidth).
     #[schema(value_type = Option<Object>)]
     pub placement: Option<Value>,
+    /// The GPU's copy of the model (absent without a GPU): `state` (`loaded`; `unloaded` after
+    /// its keep_alive, loaded again by the next GPU request; `loading`), the `keep_alive` in
+    /// force (`"5m"`, `"-1"` = never), `unloads_in_ms` while loaded and idle, `idle_ms`.
+    #[schema(value_type = Option<Object>)]
+    pub gpu_residency: Option<Value>,
 }
 
 fn status_body(state: &AppState) -> StatusBody {
@@ -626,6 +631,7 @@ fn status_body(state: &AppState) -> StatusBody {
             value["placement"] = Value::from(p.placement());
             value
         }),
+        gpu_residency: s.gpu_residency.as_ref().and_then(|r| serde_json::to_value(r).ok()),
     }
 }
 

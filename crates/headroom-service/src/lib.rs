@@ -434,6 +434,7 @@ pub async fn run(
         config.cpu_fallback_model_dir = settings.fallback_model.clone();
         config.supervision = supervision;
         config.gpu_paused = settings.gpu_paused;
+        config.keep_alive = memory.keep_alive;
         config.placement = placement;
         config.replan = layer_placement.filter(|_| config.gpu.is_some()).map(|placer| headroom_router::LayerPlanner(Arc::new(move |room| placer.plan(room))));
         eprintln!("headroom: starting workers for {} ({})", bundle.name(), bundle.short_hash());

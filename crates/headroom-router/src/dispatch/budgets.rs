@@ -11,6 +11,9 @@ impl Dispatcher {
         if s.config().gpu.is_none() || s.status().degraded || s.gpu_paused() {
             return None;
         }
+        if let Some(reading) = s.unloaded_gpu_reading() {
+            return self.gpu_budget_to_load(&reading);
+        }
         let worker = s.gpu_worker()?;
         let reading = worker.memory().borrow().clone()?;
         let total = reading.capacity_bytes?;
@@ -23,6 +26,22 @@ impl Dispatcher {
             weights_bytes: reading.weights_bytes,
             held_bytes: reading.reserved_bytes.max(granted),
             observed_free_bytes: reading.used_bytes.map(|u| total.saturating_sub(u).saturating_sub(unseen)),
+        })
+    }
+
+    /// The GPU budget while the model is unloaded (or loading again): its last worker's
+    /// weights are charged as if loaded, against the VRAM free now, so a load is admitted like
+    /// a request and a request that would not fit beside the reloaded weights goes elsewhere.
+    fn gpu_budget_to_load(&self, last: &headroom_worker::MemoryReading) -> Option<Budget> {
+        let total = last.capacity_bytes?;
+        let granted = self.inner.gpu_ledger.held_bytes();
+        let free_now = self.inner.supervisor.vram_room().map(|room| room.free_bytes);
+        Some(Budget {
+            total_bytes: total,
+            reserve_bytes: self.vram_reserve_bytes(total),
+            weights_bytes: last.weights_bytes,
+            held_bytes: granted,
+            observed_free_bytes: free_now.map(|free| free.saturating_sub(last.weights_bytes).saturating_sub(granted)),
         })
     }
 

@@ -19,6 +19,8 @@ struct Execution {
     admission: String,
     progress: Progress,
     queued_ms: f64,
+    /// Time spent waiting for the model to load on the GPU (after a keep_alive unload).
+    load_ms: f64,
     /// Defect::FailoverBypassesCpuQueue: the next attempt takes no slot.
     skip_slot: bool,
 }
@@ -41,12 +43,20 @@ impl Dispatcher {
             admission,
             progress: Progress::default(),
             queued_ms: 0.0,
+            load_ms: 0.0,
             skip_slot: false,
         };
         loop {
             let lane = if x.on_gpu { &self.inner.gpu } else { &*self.inner.cpu };
             let queued_at = Instant::now();
             let permit = self.take_slot(lane, &mut x, &cancel).await?;
+            // A model unloaded after its keep_alive loads again for the request that needs it,
+            // which waits here holding its GPU slot: an unload is not a reason to go to the CPU.
+            if x.on_gpu && !self.has_defect(Defect::UnloadedModelRedirects) {
+                if let Some(waited) = self.inner.supervisor.load_gpu(&cancel).await {
+                    x.load_ms += waited.as_secs_f64() * 1000.0;
+                }
+            }
             // A request queued for the GPU starts only when its memory is there: a free slot is
             // not free memory. If it does not come within the queue wait, or the GPU goes away,
             // the request moves to the CPU queue.
@@ -76,7 +86,10 @@ impl Dispatcher {
             let (result, started) = self.run_attempt(&sub, lane, &mut x, &cancel, &events).await;
             drop(permit);
             match result? {
-                Ok(outcome) => return self.completed(&sub, outcome, x.on_gpu, x.admission, x.queued_ms, started),
+                Ok(outcome) => {
+                    let load_ms = x.load_ms;
+                    return self.completed(&sub, outcome, x.on_gpu, x.admission, x.queued_ms, started).map(|c| Completion { load_ms, ..c });
+                }
                 Err(AttemptError::GpuFailed { from, kind, reason, resumed_after_tokens }) => {
                     self.fail_over(&sub, lane, &mut x, (from, kind, reason, resumed_after_tokens), &cancel, &events).await?
                 }

@@ -94,6 +94,9 @@ pub enum Defect {
     /// A split GPU worker is charged each request's KV cache for the whole model, not for the
     /// layers it holds.
     SplitChargedWhole,
+    /// A GPU request that finds the model unloaded (keep_alive) goes to the CPU instead of
+    /// loading it again.
+    UnloadedModelRedirects,
 }
 
 /// A request that has been launched and has not ended.
@@ -171,6 +174,9 @@ impl Dispatcher {
             defects: Mutex::new(Vec::new()),
         });
         let dispatcher = Self { inner };
+        if dispatcher.inner.supervisor.config().gpu.is_some() {
+            tokio::spawn(unload_when_idle(Arc::downgrade(&dispatcher.inner)));
+        }
         let recovered = dispatcher.inner.journal.recover()?;
         for r in &recovered {
             if let Recovery::Rerun(record) = r {
@@ -259,6 +265,23 @@ impl Dispatcher {
         self.in_flight()
     }
 
+    /// Sets the model's keep_alive from now on (Ollama's per-request `keep_alive`).
+    pub fn set_keep_alive(&self, keep_alive: headroom_memory::KeepAlive) {
+        self.inner.supervisor.set_keep_alive(keep_alive);
+    }
+
+    /// Unloads the GPU's copy of the model if its keep_alive has passed and no request waits
+    /// for or runs on the GPU. Returns whether it began the unload.
+    pub fn unload_if_idle(&self) -> bool {
+        self.inner.unload_if_idle()
+    }
+
+    /// Loads the GPU's copy of the model if its keep_alive unloaded it, and waits for it (or
+    /// for its launch to fail). Returns how long that took; `None` when it was loaded.
+    pub async fn load_gpu(&self) -> Option<Duration> {
+        self.inner.supervisor.load_gpu(&CancelSignal::new()).await
+    }
+
     /// Service-wide expected wait of a new request: the lane it would most likely use (the GPU
     /// while the breaker is closed, else the CPU).
     pub fn estimated_delay_ms(&self) -> Option<u64> {
@@ -273,3 +296,21 @@ impl Dispatcher {
 
 }
 
+/// Unloads the GPU's model once its keep_alive has passed with no request waiting for or
+/// running on the GPU; stops with the dispatcher.
+async fn unload_when_idle(inner: std::sync::Weak<Inner>) {
+    loop {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let Some(inner) = inner.upgrade() else { return };
+        inner.unload_if_idle();
+    }
+}
+
+impl Inner {
+    fn unload_if_idle(&self) -> bool {
+        let lane = &self.gpu;
+        let work = *lane.work_ahead.lock().unwrap();
+        let idle = lane.waiting.load(Ordering::SeqCst) == 0 && lane.running.load(Ordering::SeqCst) == 0 && work.prompt_tokens == 0 && work.max_tokens == 0;
+        idle && self.supervisor.unload_if_expired()
+    }
+}

@@ -117,7 +117,13 @@ impl Dispatcher {
     fn admit(&self, id: &str, shape: RequestShape, allow: Allowances) -> (Admission, Option<Reservation>, Option<u64>) {
         let _deciding = self.inner.gpu_grant.lock().unwrap();
         let gpu_budget = self.gpu_budget();
-        let gpu_eta = self.inner.gpu.estimated_delay_ms();
+        // An unloaded model serves after its load: the last load's time is added.
+        let load_ms = self.inner.supervisor.gpu_load_estimate_ms().map(|ms| ms.round() as u64);
+        let gpu_eta = match (self.inner.gpu.estimated_delay_ms(), load_ms) {
+            (Some(queue), Some(load)) => Some(queue + load),
+            (queue, None) => queue,
+            (None, load) => load,
+        };
         let paused = self.inner.supervisor.gpu_paused() && self.gpu_configured();
         let planner = self.planner();
         let decide = |host: &Budget| {
@@ -193,8 +199,11 @@ impl Dispatcher {
         let reason = admission.reason().to_string();
         let ticket_admission = reason.clone();
         let start = Start { attempt, on_gpu, gpu_grant, host_reservation, admission: reason };
+        self.inner.supervisor.touch_gpu();
         tokio::spawn(async move {
             let result = this.execute(sub, start, task_cancel, event_tx).await;
+            // The model's keep_alive counts from the end of its last request.
+            this.inner.supervisor.touch_gpu();
             this.inner.in_flight.lock().unwrap().remove(&id);
             done_tx.send_replace(Some(result));
         });
@@ -316,7 +325,7 @@ impl Dispatcher {
                 return Err(journal_failure(&e));
             }
         }
-        let completion = Completion { outcome, admission, queued_ms, from_journal: false, cpu_failover: sub.allow.cpu };
+        let completion = Completion { outcome, admission, queued_ms, from_journal: false, cpu_failover: sub.allow.cpu, load_ms: 0.0 };
         let stored = serde_json::to_value(&completion).unwrap_or_default();
         self.journal_step(id, &Transition::Completed { device: completion.outcome.device, result: stored }).map_err(|e| journal_failure(&e))?;
         Ok(completion)

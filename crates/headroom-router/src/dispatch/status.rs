@@ -22,6 +22,8 @@ pub enum WorkerState {
     Probing,
     /// Running, but the breaker is open: it takes no requests.
     Unhealthy,
+    /// Stopped after its model's keep_alive: the next GPU request starts it (not a failure).
+    Unloaded,
 }
 
 impl std::fmt::Display for WorkerState {
@@ -33,6 +35,7 @@ impl std::fmt::Display for WorkerState {
             Self::Ready => "ready",
             Self::Probing => "probing",
             Self::Unhealthy => "unhealthy",
+            Self::Unloaded => "unloaded",
         })
     }
 }
@@ -76,6 +79,8 @@ pub struct ServiceStatus {
     pub cpu_kv_resident_bytes: Option<u64>,
     /// The GPU's KV cache in blocks, where its worker counts them (the sim GPU).
     pub gpu_kv: Option<GpuKv>,
+    /// The GPU's copy of the model: loaded or unloaded, its keep_alive (None without a GPU).
+    pub gpu_residency: Option<crate::supervisor::GpuResidency>,
 }
 
 /// The GPU worker's KV cache in blocks: what the running requests wrote against what they
@@ -160,6 +165,7 @@ impl Dispatcher {
             let w = device.gpu.as_ref();
             let state = match (w, device.breaker) {
                 _ if device.gpu_paused => WorkerState::Paused,
+                (None, _) if device.gpu_unloaded => WorkerState::Unloaded,
                 (None, _) => WorkerState::Down,
                 // A worker that has not reported its memory yet cannot be admitted to.
                 (Some(_), BreakerState::Closed) if gpu_memory.is_none() => WorkerState::Starting,
@@ -197,6 +203,7 @@ impl Dispatcher {
             host_reserved_bytes: self.inner.host_ledger.held_bytes(),
             cpu_kv_resident_bytes: s.cpu_worker().and_then(|w| w.memory().borrow().as_ref().and_then(|r| r.kv_resident_bytes)),
             gpu_kv,
+            gpu_residency: s.gpu_residency(),
         }
     }
 

@@ -46,6 +46,11 @@ pub struct Completion {
     /// the client opted out with allow_cpu: false).
     #[serde(default = "yes")]
     pub cpu_failover: bool,
+    /// How long this request waited for its model to load on the GPU (it had been unloaded
+    /// after its keep_alive), in ms; 0 when it was loaded. Not journaled: a stored completion
+    /// served again loads nothing.
+    #[serde(skip)]
+    pub load_ms: f64,
 }
 
 pub(super) fn yes() -> bool {

@@ -12,6 +12,9 @@ impl Supervisor {
         // the latest opening is not trusted and is replaced before the probe.
         let mut worker_epoch = self.inner.breaker.lock().unwrap().times_opened();
         let mut paused = self.inner.gpu_paused.subscribe();
+        let mut unloaded = self.inner.gpu_unloaded.subscribe();
+        // The next launch loads a model a request waits for: at once, without the backoff.
+        let mut on_demand = false;
         let mut stall = StallWatch::default();
         loop {
             if self.shutting_down() {
@@ -31,24 +34,43 @@ impl Supervisor {
                 attempt = 0;
                 continue;
             }
+            if self.gpu_unloaded() {
+                if let Some(worker) = self.gpu_worker() {
+                    // Idle past its keep_alive: a request that picked this worker just before
+                    // still finishes on it.
+                    self.clear_gpu(&worker);
+                    retire_when_idle(worker.clone()).await;
+                    self.emit(EventKind::WorkerExited { device: worker.device, pid: worker.pid, status: "stopped: the model was unloaded (keep_alive)".into() });
+                }
+                tokio::select! {
+                    _ = async { let _ = unloaded.wait_for(|u| !*u).await; } => {}
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                }
+                attempt = 0;
+                on_demand = true;
+                continue;
+            }
             let worker = match self.gpu_worker() {
                 Some(w) => w,
                 None => {
-                    let delay = backoff(&self.inner.config, attempt);
-                    attempt += 1;
-                    self.emit(EventKind::WorkerRestartScheduled {
-                        device: gpu_device,
-                        attempt,
-                        delay_ms: delay.as_millis() as u64,
-                        reason: self.inner.breaker.lock().unwrap().reason().to_string(),
-                    });
-                    tokio::time::sleep(delay).await;
+                    if !std::mem::take(&mut on_demand) {
+                        let delay = backoff(&self.inner.config, attempt);
+                        attempt += 1;
+                        self.emit(EventKind::WorkerRestartScheduled {
+                            device: gpu_device,
+                            attempt,
+                            delay_ms: delay.as_millis() as u64,
+                            reason: self.inner.breaker.lock().unwrap().reason().to_string(),
+                        });
+                        tokio::time::sleep(delay).await;
+                    }
                     // Off the runtime's threads: a split's first plan measures the host's bandwidth.
                     let this = self.clone();
                     let replanned = tokio::task::spawn_blocking(move || this.replan_gpu()).await.unwrap_or_else(|e| Err(format!("the layer plan failed: {e}")));
                     if let Err(why) = replanned {
                         // Serve from the CPU and look again after the next backoff.
                         self.trip(FailureCause::DeviceLost, &why);
+                        self.loaded();
                         continue;
                     }
                     let spec = self.gpu_spec().expect("watching a configured GPU");
@@ -64,11 +86,13 @@ impl Supervisor {
                                 }
                             }
                             *self.inner.gpu.write().unwrap() = Some(w.clone());
+                            self.loaded();
                             w
                         }
                         Err(e) => {
                             tracing::error!(error = %e, attempt, "GPU worker restart failed");
                             self.trip(FailureCause::DeviceLost, &e.to_string());
+                            self.loaded();
                             continue;
                         }
                     }
@@ -110,6 +134,7 @@ impl Supervisor {
             };
             tokio::select! {
                 _ = async { let _ = paused.wait_for(|p| *p).await; } => {}
+                _ = async { let _ = unloaded.wait_for(|u| *u).await; } => {}
                 info = worker.wait_exited() => {
                     self.emit(EventKind::WorkerExited { device: worker.device, pid: worker.pid, status: info.status.clone() });
                     self.trip(FailureCause::DeviceLost, &format!("GPU worker (pid {}) {}", worker.pid, info.status));

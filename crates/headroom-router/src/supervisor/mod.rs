@@ -101,6 +101,8 @@ pub struct SupervisorConfig {
     /// from pause), from the VRAM free then: a competing program that took memory shrinks the
     /// split, one that left lets it grow. `None`: every launch loads what the first one did.
     pub replan: Option<LayerPlanner>,
+    /// How long the GPU keeps the model loaded once idle (see [`Supervisor::unload_if_expired`]).
+    pub keep_alive: headroom_memory::KeepAlive,
 }
 
 /// The VRAM a GPU worker about to launch can have: the device's capacity, and what is free of
@@ -160,6 +162,7 @@ impl SupervisorConfig {
             launcher: Arc::new(ProcessLauncher),
             placement: None,
             replan: None,
+            keep_alive: headroom_memory::KeepAlive::Forever,
         }
     }
 }
@@ -183,6 +186,35 @@ struct Inner {
     placement: RwLock<Option<headroom_memory::SplitPlan>>,
     /// The fallback model's bundle, opened once per folder (see [`Supervisor::fallback_bundle`]).
     fallback_bundle: Mutex<Option<(PathBuf, Arc<headroom_model::ModelBundle>)>>,
+    /// The GPU's copy of the model was unloaded for idleness: its worker exits, and the next
+    /// request for the GPU loads it again ([`Supervisor::load_gpu`]). Not a failure.
+    gpu_unloaded: tokio::sync::watch::Sender<bool>,
+    residency: Mutex<Residency>,
+}
+
+/// What keeps the GPU's copy of the model loaded: its keep_alive and its last use.
+struct Residency {
+    keep_alive: headroom_memory::KeepAlive,
+    last_used: Instant,
+    /// A request asked for the unloaded model and its worker is not ready yet.
+    loading: bool,
+    /// The last GPU worker's load time and memory, for a load that waits to happen: admission
+    /// charges its weights and adds its load time to the expected delay.
+    last_load_ms: f64,
+    last_reading: Option<headroom_worker::MemoryReading>,
+}
+
+/// The GPU's copy of the model, for `/v1/status` and Ollama's `/api/ps`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GpuResidency {
+    /// `loaded`, `unloaded` (idle past its keep_alive; loads on the next request) or `loading`.
+    pub state: String,
+    /// The keep_alive in force, in Ollama's form (`"5m"`, `"-1"`).
+    pub keep_alive: String,
+    /// Milliseconds until an idle model unloads; `None` while it never does.
+    pub unloads_in_ms: Option<u64>,
+    /// Milliseconds since a request last used the model.
+    pub idle_ms: u64,
 }
 
 #[derive(Clone)]
@@ -204,6 +236,9 @@ pub struct DeviceStatus {
     pub degraded: bool,
     /// Paused from settings (the person's choice, not a failure): requests go to the CPU.
     pub gpu_paused: bool,
+    /// The GPU's model is unloaded for idleness, or loading again for a request (not degraded).
+    #[serde(default)]
+    pub gpu_unloaded: bool,
     pub gpu: Option<WorkerStatus>,
     pub cpu: Option<WorkerStatus>,
 }
@@ -250,6 +285,8 @@ impl Supervisor {
             gpu_paused: tokio::sync::watch::channel(config.gpu_paused).0,
             placement: RwLock::new(config.placement.clone()),
             fallback_bundle: Mutex::new(None),
+            gpu_unloaded: tokio::sync::watch::channel(false).0,
+            residency: Mutex::new(Residency { keep_alive: config.keep_alive, last_used: Instant::now(), loading: false, last_load_ms: 0.0, last_reading: None }),
             config,
             gpu: RwLock::new(None),
             cpu: RwLock::new(None),
@@ -354,6 +391,115 @@ impl Supervisor {
         Some(bundle)
     }
 
+    /// Whether the GPU's copy of the model is unloaded for idleness (it loads on demand).
+    pub fn gpu_unloaded(&self) -> bool {
+        *self.inner.gpu_unloaded.borrow()
+    }
+
+    /// Sets the keep_alive in force from now on (a request's own, as Ollama does).
+    pub fn set_keep_alive(&self, keep_alive: headroom_memory::KeepAlive) {
+        self.inner.residency.lock().unwrap().keep_alive = keep_alive;
+    }
+
+    /// A request used the model now: its keep_alive counts from here.
+    pub fn touch_gpu(&self) {
+        self.inner.residency.lock().unwrap().last_used = Instant::now();
+    }
+
+    /// The GPU's copy of the model: loaded or not, its keep_alive, when it unloads.
+    pub fn gpu_residency(&self) -> Option<GpuResidency> {
+        self.inner.config.gpu.as_ref()?;
+        let r = self.inner.residency.lock().unwrap();
+        let idle = r.last_used.elapsed();
+        let state = match (self.gpu_unloaded(), r.loading) {
+            (true, _) => "unloaded",
+            (false, true) => "loading",
+            (false, false) => "loaded",
+        };
+        Some(GpuResidency {
+            state: state.into(),
+            keep_alive: r.keep_alive.to_string(),
+            unloads_in_ms: r.keep_alive.remaining(idle).filter(|_| state == "loaded").map(|d| d.as_millis() as u64),
+            idle_ms: idle.as_millis() as u64,
+        })
+    }
+
+    /// Unloads the GPU's copy of the model when its keep_alive has run out. The caller knows
+    /// that no request waits for or runs on the GPU. Returns whether it began the unload.
+    pub fn unload_if_expired(&self) -> bool {
+        if self.gpu_paused() || self.gpu_unloaded() || self.shutting_down() {
+            return false;
+        }
+        let Some(worker) = self.gpu_worker() else { return false };
+        if worker.active_requests() > 0 || !self.inner.breaker.lock().unwrap().allows_requests() {
+            return false;
+        }
+        let (keep_alive, idle) = {
+            let mut r = self.inner.residency.lock().unwrap();
+            if !r.keep_alive.expired(r.last_used.elapsed()) {
+                return false;
+            }
+            // Admission charges a load against this reading; without one, the model stays.
+            let Some(reading) = worker.memory().borrow().clone() else { return false };
+            r.last_load_ms = worker.ready.load_ms;
+            r.last_reading = Some(reading);
+            (r.keep_alive, r.last_used.elapsed())
+        };
+        self.inner.gpu_unloaded.send_replace(true);
+        self.emit(EventKind::GpuModelUnloaded {
+            device: worker.device,
+            reason: format!("idle for {} ms, past its keep_alive of {keep_alive}; its VRAM is free until the next request loads it again", idle.as_millis()),
+        });
+        true
+    }
+
+    /// Loads the GPU's copy of the model again if it was unloaded, and waits until its worker is
+    /// ready, the load fails (the breaker opens) or `cancel` fires. Returns how long it waited,
+    /// `None` when the model was loaded.
+    pub async fn load_gpu(&self, cancel: &CancelSignal) -> Option<Duration> {
+        let started = Instant::now();
+        let device = self.inner.config.gpu.as_ref()?.device;
+        let began = {
+            let mut r = self.inner.residency.lock().unwrap();
+            if !self.gpu_unloaded() && !r.loading {
+                return None;
+            }
+            r.loading = true;
+            self.inner.gpu_unloaded.send_replace(false)
+        };
+        if began {
+            self.emit(EventKind::GpuModelLoading { device, reason: "a request for the GPU arrived while the model was unloaded".into() });
+        }
+        let limit = Duration::from_millis(self.inner.config.supervision.load_timeout_ms) + Duration::from_secs(1);
+        while self.gpu_worker().is_none() && self.inner.breaker.lock().unwrap().allows_requests() && started.elapsed() < limit && !self.gpu_paused() {
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(10)) => {}
+                _ = cancel.cancelled() => break,
+            }
+        }
+        Some(started.elapsed())
+    }
+
+    /// Whether the GPU's model is unloaded or loading again for a request (not a failure).
+    pub fn gpu_loads_on_demand(&self) -> bool {
+        self.gpu_unloaded() || self.inner.residency.lock().unwrap().loading
+    }
+
+    /// The expected time before an unloaded model can serve: its last load time.
+    pub fn gpu_load_estimate_ms(&self) -> Option<f64> {
+        self.gpu_loads_on_demand().then(|| self.inner.residency.lock().unwrap().last_load_ms)
+    }
+
+    /// The last GPU worker's memory reading, kept while the model is unloaded or loading.
+    pub fn unloaded_gpu_reading(&self) -> Option<headroom_worker::MemoryReading> {
+        self.gpu_loads_on_demand().then(|| self.inner.residency.lock().unwrap().last_reading.clone()).flatten()
+    }
+
+    /// The worker that loaded the model again is ready, or its launch failed.
+    pub(super) fn loaded(&self) {
+        self.inner.residency.lock().unwrap().loading = false;
+    }
+
     /// Whether the GPU is paused from settings.
     pub fn gpu_paused(&self) -> bool {
         *self.inner.gpu_paused.borrow()
@@ -453,6 +599,7 @@ impl Supervisor {
             reason: breaker.reason().to_string(),
             degraded: self.inner.config.gpu.is_some() && !breaker.allows_requests(),
             gpu_paused: self.inner.config.gpu.is_some() && self.gpu_paused(),
+            gpu_unloaded: self.inner.config.gpu.is_some() && self.gpu_loads_on_demand(),
             gpu: self.inner.gpu.read().unwrap().as_deref().map(status_of),
             cpu: self.inner.cpu.read().unwrap().as_deref().map(status_of),
         }
@@ -466,7 +613,7 @@ impl Supervisor {
 
     /// The VRAM the GPU worker about to launch can have: the driver's reading on CUDA; on the
     /// sim GPU its size less the competing workload the launch re-applies.
-    fn vram_room(&self) -> Option<VramRoom> {
+    pub(crate) fn vram_room(&self) -> Option<VramRoom> {
         let competing: u64 = self.inner.sim_environment.lock().unwrap().iter().map(|f| match f {
             Fault::Compete { mib } => mib * headroom_memory::MIB,
             _ => 0,
