@@ -2,6 +2,7 @@
 drop-in for clients built for Ollama."""
 
 import re
+import time
 
 import ollama
 import pytest
@@ -91,3 +92,35 @@ def test_embed_gives_one_vector_per_input(client):
     with pytest.raises(ollama.ResponseError) as e:
         client.embed(model="kjv-demo", input="And it came to pass " * 2000, truncate=False)
     assert e.value.status_code == 400 and "embeds at most" in e.value.error
+
+
+def served_on_sim(url):
+    """Requests the sim GPU completed (`/metrics`)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    m = re.search(r'headroom_requests_total\{device="sim",outcome="completed"\} (\d+)', text)
+    return int(m.group(1)) if m else 0
+
+
+def test_keep_alive_unloads_the_gpu_copy_and_the_next_chat_loads_it(client, sim_server):
+    # Ollama's unload call: an empty generate with keep_alive 0.
+    unloaded = client.generate(model="kjv-demo", keep_alive=0)
+    assert unloaded.done and unloaded.done_reason == "unload"
+    for _ in range(100):
+        status = httpx.get(sim_server.url + "/v1/status", timeout=10).json()
+        if status["gpu_residency"]["state"] == "unloaded":
+            break
+        time.sleep(0.1)
+    assert status["gpu_residency"]["state"] == "unloaded", status
+    assert status["degraded"] is False
+    assert client.ps().models[0].size_vram == 0
+    # The next chat loads the model on the GPU, says how long that took, and its keep_alive
+    # is the one in force.
+    on_gpu = served_on_sim(sim_server.url)
+    reply = client.chat(model="kjv-demo", messages=MESSAGES, options=OPTIONS, keep_alive="5m")
+    assert reply.load_duration > 0
+    assert served_on_sim(sim_server.url) == on_gpu + 1, "it waited for the load on the GPU, not the CPU"
+    running = client.ps().models[0]
+    assert running.size_vram > 0
+    assert running.expires_at.year >= 2026
+    # Back to the server's default for the tests after this one.
+    assert client.generate(model="kjv-demo", keep_alive=-1).done_reason == "load"

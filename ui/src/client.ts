@@ -53,7 +53,7 @@ export class ChatStream {
 }
 
 /** The service event names the UI follows. */
-export const EVENT_NAMES = ["status", "breaker_changed", "degraded", "gpu_paused", "settings_changed", "worker_started", "worker_exited", "worker_restart_scheduled", "placement_changed", "health_check_failed", "failover", "memory_sample", "queue_changed"];
+export const EVENT_NAMES = ["status", "breaker_changed", "degraded", "gpu_paused", "settings_changed", "worker_started", "worker_exited", "worker_restart_scheduled", "placement_changed", "gpu_model_unloaded", "gpu_model_loading", "health_check_failed", "failover", "memory_sample", "queue_changed"];
 
 export class HttpTransport implements Transport {
   constructor(readonly base = "") {}

@@ -26,6 +26,15 @@ describe("status bar", () => {
     expect(statusView({ degraded: true, gpu_paused: true, workers: [gpuWorker, cpuWorker] }).health).toBe("degraded");
     expect(statusView({ degraded: false, workers: [{ ...gpuWorker, state: "starting" }, cpuWorker] }).label).toBe("GPU starting (simulated)");
   });
+
+  it("says the model was unloaded after its keep_alive, not that the GPU failed", () => {
+    const status = { degraded: false, gpu_residency: { state: "unloaded", keep_alive: "5m" }, workers: [{ ...gpuWorker, state: "unloaded", pid: null }, cpuWorker] };
+    const view = statusView(status);
+    expect(view.health).toBe("unloaded");
+    expect(view.label).toBe("GPU idle (simulated): model unloaded");
+    expect(view.reason).toBe("unloaded after 5m idle (keep_alive), VRAM freed; the next request loads it on the GPU");
+    expect(view.summary).toBeNull();
+  });
 });
 
 describe("layer placement", () => {
@@ -152,9 +161,13 @@ describe("memory panel", () => {
     h.addEvent("failover", { at_unix_ms: 91_000, from: "sim", to: "cpu" });
     h.addEvent("queue_changed", { at_unix_ms: 91_000 });
     h.addEvent("placement_changed", { at_unix_ms: 91_500, gpu_layers: 1, layers: 4 });
+    h.addEvent("gpu_model_unloaded", { at_unix_ms: 91_600 });
+    h.addEvent("gpu_model_loading", { at_unix_ms: 91_700 });
     expect(h.marks).toEqual([
       { t: 91, kind: "failover", label: "failover sim→cpu" },
       { t: 91.5, kind: "placement", label: "layers 1/4 on the GPU" },
+      { t: 91.6, kind: "residency", label: "model unloaded (keep_alive)" },
+      { t: 91.7, kind: "residency", label: "model loading on the GPU" },
     ]);
     expect(h.columns()[0]).toEqual([90], "a mark moves the window too");
   });

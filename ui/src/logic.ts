@@ -4,7 +4,7 @@
 /** One service event or status snapshot, as `/v1/events` and `/v1/status` send them. */
 export type Json = Record<string, any>;
 
-export type Health = "healthy" | "degraded" | "unavailable" | "cpu-only" | "paused" | "starting";
+export type Health = "healthy" | "degraded" | "unavailable" | "cpu-only" | "paused" | "starting" | "unloaded";
 
 export interface StatusView {
   health: Health;
@@ -73,6 +73,16 @@ export function statusView(status: Json): StatusView {
   }
   if (status.gpu_paused) {
     return { ...base, health: "paused", label: `GPU paused${sim}`, reason: "paused in settings; requests go to the CPU worker" };
+  }
+  // Unloaded after its keep_alive: not a failure; the next GPU request loads it again.
+  if (gpu.state === "unloaded") {
+    const keep = status.gpu_residency?.keep_alive;
+    return {
+      ...base,
+      health: "unloaded",
+      label: `GPU idle${sim}: model unloaded`,
+      reason: `unloaded after ${keep && keep !== "-1" ? `${keep} idle (keep_alive)` : "its keep_alive"}, VRAM freed; the next request loads it on the GPU`,
+    };
   }
   if (gpu.state === "down" || gpu.state === "starting") {
     return { ...base, health: "starting", label: `GPU starting${sim}`, reason: "requests go to the CPU worker until it is ready" };
@@ -297,7 +307,7 @@ export interface MemoryPoint {
 export interface Mark {
   t: number;
   label: string;
-  kind: "failover" | "breaker" | "degraded" | "placement";
+  kind: "failover" | "breaker" | "degraded" | "placement" | "residency";
 }
 
 /** The memory panel's history: the last `windowS` seconds of samples and marks. */
@@ -334,6 +344,9 @@ export class MemoryHistory {
     else if (name === "degraded") this.mark({ t, kind: "degraded", label: event.degraded ? "degraded" : "recovered" });
     // The GPU worker's layers were placed again at a restart (more or less VRAM free).
     else if (name === "placement_changed") this.mark({ t, kind: "placement", label: `layers ${event.gpu_layers}/${event.layers} on the GPU` });
+    // keep_alive: the GPU's copy of the model left (VRAM freed) or is loading for a request.
+    else if (name === "gpu_model_unloaded") this.mark({ t, kind: "residency", label: "model unloaded (keep_alive)" });
+    else if (name === "gpu_model_loading") this.mark({ t, kind: "residency", label: "model loading on the GPU" });
   }
 
   private push(p: MemoryPoint) {

@@ -48,6 +48,24 @@ try {
     assert.match(await reply.getByTestId("reply-timing").innerText(), /^first token after [\d.]+ s · [\d.]+ tokens\/s$/);
   });
 
+  await check("a model unloaded by its keep_alive says so, and the next reply loads it on the GPU", async () => {
+    const keepAlive = async (value) => {
+      const r = await fetch(`${server.url}/api/generate`, { method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify({ model: "default", keep_alive: value }) });
+      const text = await r.text();
+      assert.equal(r.status, 200, text);
+      return JSON.parse(text).done_reason;
+    };
+    assert.equal(await keepAlive(0), "unload");
+    await page.getByTestId("gpu-health").filter({ hasText: "GPU idle (simulated): model unloaded" }).waitFor({ timeout: 10_000 });
+    assert.match(await page.getByTestId("status-reason").innerText(), /the next request loads it on the GPU/);
+    const reply = await chat(page, "In the beginning");
+    assert.match(await reply.getByTestId("device-badge").innerText(), /GPU · sim/);
+    // keep_alive 0 stays in force (Ollama's meaning) until a request sets another: -1 loads
+    // the model again if it went, and keeps it.
+    assert.equal(await keepAlive(-1), "load");
+    await page.getByTestId("gpu-health").filter({ hasText: "GPU healthy" }).waitFor({ timeout: 10_000 });
+  });
+
   await check("Settings show each API's endpoint; a new VRAM reserve is applied to admission and kept across a reload", async () => {
     await page.getByTestId("tab-settings").click();
     await page.getByTestId("endpoint-openai").filter({ hasText: `${server.url}/v1` }).waitFor({ timeout: 10_000 });
