@@ -427,11 +427,25 @@ fn embedding_submission(id: &str, text: &str) -> Submission {
 /// streaming), then `embeddings` embedding requests of [`EMBEDDED`] queued behind those, one
 /// CPU slot: then the GPU worker is killed with SIGKILL.
 async fn gpu_killed_at_full_load(defect: Option<Defect>, embeddings: usize) -> (Dispatcher, Ends) {
+    gpu_killed_at_full_load_after(defect, embeddings, false).await
+}
+
+/// The same; with `unloaded_first`, the model's keep_alive (300 ms) has unloaded it from the
+/// GPU before the load arrives, so the requests wait for its reload, fill it, and lose it.
+async fn gpu_killed_at_full_load_after(defect: Option<Defect>, embeddings: usize, unloaded_first: bool) -> (Dispatcher, Ends) {
     let mut config = supervisor_config(true);
     config.gpu.as_mut().unwrap().max_concurrency = 4;
+    if unloaded_first {
+        config.keep_alive = headroom_memory::KeepAlive::For(std::time::Duration::from_millis(300));
+    }
     let d = dispatcher_with(config).await;
     if let Some(defect) = defect {
         d.reintroduce_defect_for_test(defect);
+    }
+    if unloaded_first {
+        let first = ends(vec![d.submit(submission("first", "In the beginning", 4, None)).unwrap()]).await;
+        assert_eq!(first.completed[0].outcome.device, Device::Sim);
+        until(20, "the model to unload after its keep_alive", || d.status().gpu_residency.is_some_and(|r| r.state == "unloaded") && d.supervisor().gpu_worker().is_none()).await;
     }
     // Slow enough that all eight are still in flight when the worker dies.
     d.supervisor().inject_fault(Fault::Slowdown { factor: 8.0 }).await.unwrap();
@@ -479,6 +493,27 @@ async fn a_gpu_worker_killed_at_full_load_loses_no_request() {
     assert_eq!((cpu.waiting, cpu.running), (0, 0));
     assert_eq!(cpu.failover_room, 64 + 4, "the CPU queue keeps a place for every request the GPU lane can hold");
     d.supervisor().shutdown().await;
+}
+
+/// Fault at full load on a model its keep_alive had unloaded: the requests wait for the reload
+/// on the GPU (none is sent to the CPU for it), fill its 4 slots with 4 queued behind them, and
+/// its worker process is killed: nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reloaded_gpu_worker_killed_at_full_load_loses_no_request() {
+    let (d, e) = gpu_killed_at_full_load_after(None, 0, true).await;
+    assert!(e.lost.is_empty(), "lost after acceptance: {:?}", e.lost);
+    assert_eq!(e.completed.len(), 8);
+    assert!(e.completed.iter().all(|c| c.outcome.tokens.len() == 48));
+    assert!(e.completed.iter().any(|c| c.load_ms > 0.0), "the first ones waited for the reload");
+    d.supervisor().shutdown().await;
+}
+
+/// Negative control: when a request that finds the model unloaded goes to the CPU instead of
+/// loading it, the GPU's slots never fill on a reloaded worker and the run above fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[should_panic(expected = "4 running and the rest queued on the GPU")]
+async fn negative_control_a_reload_that_redirects_to_the_cpu_never_fills_the_gpu() {
+    gpu_killed_at_full_load_after(Some(Defect::UnloadedModelRedirects), 0, true).await;
 }
 
 /// Negative control: with failover going straight to the (busy) CPU worker, as before, the
