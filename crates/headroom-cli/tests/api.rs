@@ -528,6 +528,11 @@ async fn ollamas_keep_alive_unloads_the_gpu_copy_and_the_next_chat_loads_it() {
     let ps = api.call("GET", "/api/ps", &[], None).await.json();
     assert!(ps["models"][0]["size_vram"].as_u64().is_some_and(|b| b > 0), "{ps}");
     assert_eq!(ps["models"][0]["expires_at"], "0001-01-01T00:00:00Z", "-1 by default: never unloads");
+    let served = |models: &Value| models["data"][0]["headroom"].clone();
+    let card = served(&api.call("GET", "/v1/models", &[], None).await.json());
+    assert_eq!(card["state"], "gpu", "{card}");
+    assert!(card["resident_bytes"]["gpu"].as_u64().is_some_and(|b| b > 0) && card["resident_bytes"]["cpu"].as_u64().is_some_and(|b| b > 0), "{card}");
+    assert!(card["last_used_unix_ms"].is_null(), "no request yet: {card}");
 
     let unload = api.call("POST", "/api/generate", &[], Some(json!({"model": "kjv-demo", "keep_alive": 0}).to_string())).await.json();
     assert_eq!(unload["done_reason"], "unload", "{unload}");
@@ -537,6 +542,9 @@ async fn ollamas_keep_alive_unloads_the_gpu_copy_and_the_next_chat_loads_it() {
     let ps = api.call("GET", "/api/ps", &[], None).await.json();
     assert_eq!(ps["models"][0]["size_vram"], 0, "{ps}");
     assert_eq!(ps["models"][0]["headroom"]["gpu_residency"]["state"], "unloaded");
+    let card = served(&api.call("GET", "/v1/models", &[], None).await.json());
+    assert_eq!(card["state"], "cpu", "only the CPU worker holds it now: {card}");
+    assert!(card["resident_bytes"]["gpu"].is_null() && card["resident_bytes"]["cpu"].is_u64(), "{card}");
 
     let mut body = ollama_chat(4, 1, false);
     body["keep_alive"] = json!("5m");
@@ -553,6 +561,10 @@ async fn ollamas_keep_alive_unloads_the_gpu_copy_and_the_next_chat_loads_it() {
     let left = model["headroom"]["gpu_residency"]["unloads_in_ms"].as_u64().expect("a countdown while loaded and idle");
     assert!(left > 200_000 && left <= 300_000, "{left}");
     assert_ne!(model["expires_at"], "0001-01-01T00:00:00Z");
+    let card = served(&api.call("GET", "/v1/models", &[], None).await.json());
+    assert_eq!(card["state"], "gpu", "{card}");
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    assert!(card["last_used_unix_ms"].as_u64().is_some_and(|t| t <= now && now - t < 60_000), "{card}");
 
     // Loaded already: a load call loads nothing.
     let again = api.call("POST", "/api/chat", &[], Some(json!({"model": "kjv-demo", "messages": [], "keep_alive": -1}).to_string())).await.json();

@@ -530,6 +530,18 @@ pub struct ModelDetails {
     pub resident_bytes_per_worker: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub context_tokens: Option<u64>,
+    /// Where the model is loaded now (`GET /v1/models`): `gpu`, `split` (layers on both),
+    /// `cpu` (only the CPU worker holds it: no GPU, the GPU paused or failed, or its copy
+    /// unloaded after its keep_alive), `unloaded` (installed, not served).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state: Option<String>,
+    /// Bytes of weights each device holds now (`gpu`, `cpu`), as the workers report them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub resident_bytes: Option<std::collections::BTreeMap<String, u64>>,
+    /// When a request last used the model (Unix ms); absent before the first.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_used_unix_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]

@@ -439,6 +439,37 @@ fn served_model_details(state: &AppState) -> openai::ModelDetails {
         file_bytes: Some(bundle.weight_file_bytes),
         resident_bytes_per_worker: Some(bundle.cpu_weight_bytes),
         context_tokens: Some(config.max_position_embeddings as u64),
+        state: None,
+        resident_bytes: None,
+        last_used_unix_ms: None,
+    }
+}
+
+/// Where the served model is loaded now, what each device holds of it, and its last use.
+fn served_model_now(state: &AppState) -> openai::ModelDetails {
+    let s = state.dispatcher.status();
+    let gpu = s.workers.iter().find(|w| w.lane == headroom_router::Lane::Gpu && w.pid.is_some() && w.state != headroom_router::WorkerState::Unloaded);
+    let mut resident = std::collections::BTreeMap::new();
+    if let (Some(_), Some(reading)) = (gpu, s.gpu_memory.as_ref()) {
+        resident.insert("gpu".to_string(), reading.weights_bytes);
+        if reading.host_weights_bytes > 0 {
+            resident.insert("cpu_split".to_string(), reading.host_weights_bytes);
+        }
+    }
+    if let Some(reading) = state.dispatcher.supervisor().cpu_worker().and_then(|w| w.memory().borrow().clone()) {
+        resident.insert("cpu".to_string(), reading.weights_bytes);
+    }
+    let where_now = match gpu {
+        Some(w) if w.split.is_some() => "split",
+        Some(_) => "gpu",
+        None => "cpu",
+    };
+    let used = state.dispatcher.supervisor().last_used();
+    openai::ModelDetails {
+        state: Some(where_now.into()),
+        resident_bytes: Some(resident),
+        last_used_unix_ms: used.and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).map(|d| d.as_millis() as u64),
+        ..served_model_details(state)
     }
 }
 
@@ -446,7 +477,7 @@ fn served_model_details(state: &AppState) -> openai::ModelDetails {
 fn model_cards(state: &AppState) -> Vec<openai::ModelCard> {
     let bundle = &state.bundle;
     let card = |id: String, headroom: openai::ModelDetails| openai::ModelCard { id, object: "model".into(), created: state.created_unix, owned_by: "headroom".into(), headroom };
-    let mut cards = vec![card(state.model_id.clone(), served_model_details(state))];
+    let mut cards = vec![card(state.model_id.clone(), served_model_now(state))];
     for path in headroom_model::bundle::installed_models() {
         if path.canonicalize().ok() == bundle.path.canonicalize().ok() {
             continue;
@@ -466,6 +497,9 @@ fn model_cards(state: &AppState) -> Vec<openai::ModelCard> {
                 file_bytes: if gguf { std::fs::metadata(&path).ok().map(|m| m.len()) } else { None },
                 resident_bytes_per_worker: None,
                 context_tokens: None,
+                state: Some("unloaded".into()),
+                resident_bytes: None,
+                last_used_unix_ms: None,
             },
         ));
     }

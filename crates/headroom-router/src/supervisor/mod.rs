@@ -198,6 +198,8 @@ struct Residency {
     last_used: Instant,
     /// A request asked for the unloaded model and its worker is not ready yet.
     loading: bool,
+    /// Whether any request has used the model yet (`last_used` starts at the service's start).
+    ever_used: bool,
     /// The last GPU worker's load time and memory, for a load that waits to happen: admission
     /// charges its weights and adds its load time to the expected delay.
     last_load_ms: f64,
@@ -286,7 +288,7 @@ impl Supervisor {
             placement: RwLock::new(config.placement.clone()),
             fallback_bundle: Mutex::new(None),
             gpu_unloaded: tokio::sync::watch::channel(false).0,
-            residency: Mutex::new(Residency { keep_alive: config.keep_alive, last_used: Instant::now(), loading: false, last_load_ms: 0.0, last_reading: None }),
+            residency: Mutex::new(Residency { keep_alive: config.keep_alive, last_used: Instant::now(), loading: false, ever_used: false, last_load_ms: 0.0, last_reading: None }),
             config,
             gpu: RwLock::new(None),
             cpu: RwLock::new(None),
@@ -403,7 +405,15 @@ impl Supervisor {
 
     /// A request used the model now: its keep_alive counts from here.
     pub fn touch_gpu(&self) {
-        self.inner.residency.lock().unwrap().last_used = Instant::now();
+        let mut r = self.inner.residency.lock().unwrap();
+        r.last_used = Instant::now();
+        r.ever_used = true;
+    }
+
+    /// When a request last used the model (on any device); `None` before the first.
+    pub fn last_used(&self) -> Option<std::time::SystemTime> {
+        let r = self.inner.residency.lock().unwrap();
+        r.ever_used.then(|| std::time::SystemTime::now() - r.last_used.elapsed())
     }
 
     /// The GPU's copy of the model: loaded or not, its keep_alive, when it unloads.
