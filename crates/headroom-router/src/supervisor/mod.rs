@@ -449,8 +449,9 @@ impl Supervisor {
             if !r.keep_alive.expired(r.last_used.elapsed()) {
                 return false;
             }
-            // Admission charges a load against this reading; without one, the model stays.
-            let Some(reading) = worker.memory().borrow().clone() else { return false };
+            // Admission charges a load against this reading (a worker that just loaded has not
+            // sampled yet: the previous one's); without any, the model stays.
+            let Some(reading) = worker.memory().borrow().clone().or_else(|| r.last_reading.clone()) else { return false };
             r.last_load_ms = worker.ready.load_ms;
             r.last_reading = Some(reading);
             (r.keep_alive, r.last_used.elapsed())
