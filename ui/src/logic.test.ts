@@ -178,6 +178,16 @@ describe("memory panel", () => {
     expect(h.points[0].vramOther).toBe(30);
     const [, top, middle, bottom, limit] = h.columns();
     expect([top[0], middle[0], bottom[0], limit[0]]).toEqual([50, 20, 15, 80]);
+    expect(h.columns()[6]).toEqual([null], "no KV line where the worker does not count its blocks");
+  });
+
+  it("draws the KV cache written inside what requests hold (KV overcommit)", () => {
+    const h = new MemoryHistory(60);
+    const gpu = { capacity_bytes: 100 * 1048576, used_bytes: 50 * 1048576, weights_bytes: 15 * 1048576, reserved_bytes: 8 * 1048576 };
+    h.addStatus({ memory: { gpu, gpu_held_bytes: 8 * 1048576, gpu_kv: { resident_bytes: 3 * 1048576 } } }, 0);
+    const columns = h.columns();
+    expect(columns[2][0]).toBe(23);
+    expect(columns[6][0]).toBe(18);
   });
 });
 

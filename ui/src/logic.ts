@@ -298,6 +298,9 @@ export interface MemoryPoint {
   vramReserved: number | null;
   /** In use by anything else: other programs (a competitor on the sim GPU), allocator slack. */
   vramOther: number | null;
+  /** Of what requests hold, the KV cache they have written so far (where the GPU worker counts
+   *  its blocks): with KV overcommit, requests hold less than they could write. */
+  vramKvWritten: number | null;
   vramLimit: number | null; // capacity less the reserve
   vramCapacity: number | null;
   hostUsed: number | null;
@@ -331,6 +334,7 @@ export class MemoryHistory {
       vramWeights: weights,
       vramReserved: held,
       vramOther: used !== null ? Math.max(0, used - (weights ?? 0) - (held ?? 0)) : null,
+      vramKvWritten: mib(status.memory?.gpu_kv?.resident_bytes),
       vramCapacity: capacity,
       vramLimit: capacity !== null && reserve !== null ? capacity - reserve : null,
       hostUsed: host ? (host.total_bytes - host.available_bytes) / MIB : null,
@@ -367,7 +371,8 @@ export class MemoryHistory {
 
   /** Columns for uPlot: time; VRAM stacked from the top (weights + requests + other programs,
    *  weights + requests, weights), so each part's area lies on the one below; the limit
-   *  (capacity less the reserve); host RAM. */
+   *  (capacity less the reserve); host RAM; the KV cache written, drawn inside the requests'
+   *  part (weights + written). */
   columns(): (number | null)[][] {
     const sum = (...xs: (number | null)[]) => (xs.every((x) => x === null) ? null : xs.reduce<number>((a, x) => a + (x ?? 0), 0));
     return [
@@ -377,6 +382,7 @@ export class MemoryHistory {
       this.points.map((p) => p.vramWeights),
       this.points.map((p) => p.vramLimit),
       this.points.map((p) => p.hostUsed),
+      this.points.map((p) => (p.vramKvWritten === null ? null : sum(p.vramWeights, p.vramKvWritten))),
     ];
   }
 }
