@@ -326,6 +326,46 @@ fn gpu_worker(status: &Value) -> &Value {
     status["workers"].as_array().unwrap().iter().find(|w| w["kind"] == "gpu").unwrap()
 }
 
+/// A VRAM reserve changed in Settings reaches the sim GPU worker, which keeps it free itself
+/// when its requests take KV blocks under overcommit (its reading says so), and the worker that
+/// replaces it after a kill -9 launches with it too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reserve_changed_in_settings_reaches_the_sim_worker_and_its_successor() {
+    let api = api(true, None).await;
+    let kept = |s: &Value| s["memory"]["gpu"]["kept_free_bytes"].as_u64();
+    let first = wait_for_status(&api, "the GPU worker to be ready", |s| gpu_worker(s)["state"] == "ready" && kept(s).is_some()).await;
+    assert_eq!(kept(&first), Some(0), "launched without a reserve of its own: {first}");
+    let r = api.call("PATCH", "/v1/settings", &[], Some(r#"{"vram_reserve_mib": 300}"#.into())).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    let within = |secs: u64, what: &'static str, ready: &'static (dyn Fn(&Value) -> bool + Sync)| {
+        let api = &api;
+        async move {
+            let deadline = std::time::Instant::now() + Duration::from_secs(secs);
+            loop {
+                let status = api.call("GET", "/v1/status", &[], None).await.json();
+                if ready(&status) {
+                    return status;
+                }
+                assert!(std::time::Instant::now() < deadline, "the sim worker did not {what}: {}", status["memory"]["gpu"]);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    within(10, "keep the new reserve free", &|s| s["memory"]["gpu"]["kept_free_bytes"] == json!(300u64 << 20)).await;
+    let pid = api.dispatcher.supervisor().gpu_worker().unwrap().pid;
+    assert!(std::process::Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap().success());
+    let pid = pid as u64;
+    wait_for_status(&api, "a new GPU worker", |s| gpu_worker(s)["pid"].as_u64().is_some_and(|p| p != pid) && gpu_worker(s)["state"] == "ready").await;
+    within(10, "launch its successor with the new reserve", &|s| s["memory"]["gpu"]["kept_free_bytes"] == json!(300u64 << 20)).await;
+    api.stop().await;
+}
+
+/// Its negative control: a worker that keeps its launch's reserve fails the check.
+#[test]
+fn the_live_reserve_check_fails_when_the_worker_keeps_its_launch_reserve() {
+    headroom_model::assert_control_fails("a_reserve_changed_in_settings_reaches_the_sim_worker_and_its_successor", "reserve-fixed-at-launch", "keep the new reserve free");
+}
+
 /// `gpu_layers` in Settings: a count the model does not have, or more layers than the start's
 /// plan found room for, is a 400 that says what fits; "auto" and a count that fits are saved
 /// for the next start.

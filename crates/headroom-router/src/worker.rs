@@ -105,6 +105,11 @@ pub trait WorkerLink: Send + Sync {
     fn drop_prefix_cache(&self) -> BoxFuture<'_, Result<()>> {
         Box::pin(async { Ok(()) })
     }
+    /// Tells it the VRAM to keep free when its requests take KV blocks (a worker that takes
+    /// none: nothing).
+    fn set_vram_reserve(&self, _mib: u64) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async { Ok(()) })
+    }
 }
 
 /// Starts workers: the supervisor's only way to get one.
@@ -267,6 +272,11 @@ impl Worker {
     /// Asks the worker to drop its prefix cache's blocks (see [`WorkerLink::drop_prefix_cache`]).
     pub async fn drop_prefix_cache(&self) -> Result<()> {
         self.link.drop_prefix_cache().await
+    }
+
+    /// Tells the worker the VRAM reserve now (see [`WorkerLink::set_vram_reserve`]).
+    pub async fn set_vram_reserve(&self, mib: u64) -> Result<()> {
+        self.link.set_vram_reserve(mib).await
     }
 
     /// The last memory reading the worker sent (health answers and periodic samples).
@@ -484,6 +494,10 @@ impl WorkerLink for ProcessLink {
 
     fn drop_prefix_cache(&self) -> BoxFuture<'_, Result<()>> {
         Box::pin(self.send(&ToWorker::DropPrefixCache))
+    }
+
+    fn set_vram_reserve(&self, mib: u64) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async move { self.send(&ToWorker::SetVramReserve { mib }).await })
     }
 
     fn cancel<'a>(&'a self, request_id: &'a str) -> BoxFuture<'a, Result<()>> {

@@ -31,6 +31,9 @@ pub enum ToWorker {
     /// Drop the blocks the CPU engine's prefix cache keeps (admission needs their host RAM for
     /// a request); its next memory reading shows it. No answer.
     DropPrefixCache,
+    /// The VRAM the sim GPU keeps free when requests take KV blocks under overcommit: the
+    /// reserve changed in settings. No answer; the next memory reading shows it.
+    SetVramReserve { mib: u64 },
     Shutdown,
 }
 
@@ -217,6 +220,10 @@ pub struct MemoryReading {
     /// block left for an older request (each resumed elsewhere).
     #[serde(default)]
     pub preemptions: u64,
+    /// The VRAM the worker itself keeps free when its requests take KV blocks (the sim GPU
+    /// under overcommit: the reserve it was launched with or last told).
+    #[serde(default)]
+    pub kept_free_bytes: Option<u64>,
 }
 
 #[derive(Debug, thiserror::Error)]

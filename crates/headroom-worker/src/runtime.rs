@@ -83,6 +83,9 @@ struct State {
     /// their reservations in fact), and the requests preempted since start (KV overcommit).
     kv_resident: AtomicU64,
     preemptions: AtomicU64,
+    /// The VRAM kept free when requests take KV blocks (sim), in bytes: the reserve at launch,
+    /// then as settings change it (`SetVramReserve`).
+    vram_reserve: AtomicU64,
     /// Test-only: health reads the device live, as before the health path was separated (the
     /// negative control of the busy-is-not-hung test).
     health_reads_device: bool,
@@ -94,6 +97,7 @@ pub fn run(options: WorkerOptions, input: impl Read, output: impl Write + Send +
         Device::Sim => Some(Ledger::new("sim", options.sim_vram_mib * headroom_memory::MIB)),
         _ => None,
     };
+    let reserve = options.vram_reserve_mib * headroom_memory::MIB;
     let state = Arc::new(State {
         out: Outbox(Arc::new(Mutex::new(Box::new(output)))),
         loaded: Mutex::new(None),
@@ -106,6 +110,7 @@ pub fn run(options: WorkerOptions, input: impl Read, output: impl Write + Send +
         progress: AtomicU64::new(0),
         kv_resident: AtomicU64::new(0),
         preemptions: AtomicU64::new(0),
+        vram_reserve: AtomicU64::new(reserve),
         health_reads_device: std::env::var_os("HEADROOM_TEST_HEALTH_READS_DEVICE").is_some(),
     });
     state.out.send(&FromWorker::Hello {
@@ -163,6 +168,11 @@ pub fn run(options: WorkerOptions, input: impl Read, output: impl Write + Send +
                 if let Some(Loaded { engine: Engine::Cpu(model), .. }) = state.loaded.lock().unwrap().as_deref() {
                     model.prefix_cache.clear();
                 }
+                let reading = state.memory();
+                *state.latest_memory.lock().unwrap() = reading;
+            }
+            ToWorker::SetVramReserve { mib } => {
+                state.vram_reserve.store(mib * headroom_memory::MIB, Ordering::SeqCst);
                 let reading = state.memory();
                 *state.latest_memory.lock().unwrap() = reading;
             }
@@ -368,6 +378,7 @@ impl State {
             prefix_cache,
             kv_resident_bytes,
             preemptions: self.preemptions.load(Ordering::SeqCst),
+            kept_free_bytes: (self.options.device == Device::Sim).then(|| self.vram_reserve.load(Ordering::SeqCst)),
             device: self.options.device.label(),
             simulated: self.options.device == Device::Sim,
             weights_bytes,
@@ -578,7 +589,7 @@ impl State {
     /// admission and nothing is taken here.
     fn take_next_blocks<'m, M: Decoder>(&self, loaded: &Loaded, batch: &mut Batch<'m, M, String>, running: &mut HashMap<String, Running>) {
         let block_bytes = loaded.planner.kv_block_bytes();
-        let keep_free = self.options.vram_reserve_mib * headroom_memory::MIB;
+        let keep_free = self.vram_reserve.load(Ordering::SeqCst);
         let mut i = 0;
         loop {
             let Some((id, needed)) = batch.sessions().nth(i).map(|(id, s)| (id.clone(), s.positions_after_step().div_ceil(headroom_model::model::KV_BLOCK) as u64)) else { return };
@@ -661,7 +672,7 @@ impl State {
                     // Running requests take blocks past their reservations, which the router
                     // sees only at the next reading: a new request must leave the reserve free
                     // too, and where it cannot, it goes elsewhere like a preempted one.
-                    match ledger.try_reserve_keeping(id, footprint.request_bytes(), self.options.vram_reserve_mib * headroom_memory::MIB) {
+                    match ledger.try_reserve_keeping(id, footprint.request_bytes(), self.vram_reserve.load(Ordering::SeqCst)) {
                         Ok(r) => Some(r),
                         Err(e) => return Err(refuse(FailureKind::Preempted, format!("no KV blocks left on the device for a new request under overcommit: {e}"))),
                     }

@@ -59,6 +59,11 @@ impl Dispatcher {
         self.queue_changed(&self.inner.cpu);
         supervisor.set_gpu_paused(next.gpu_paused);
         *self.inner.settings.lock().unwrap() = next.clone();
+        // The sim GPU keeps the reserve free itself when requests take KV blocks (overcommit).
+        if let Some(gpu) = supervisor.config().gpu.as_ref().filter(|g| g.device == Device::Sim && next.vram_reserve_mib != current.vram_reserve_mib) {
+            let total = gpu.sim_vram_mib * headroom_memory::MIB;
+            supervisor.set_vram_reserve_mib(self.vram_reserve_bytes(total) / headroom_memory::MIB).await;
+        }
         let restart_required: Vec<String> = changed.iter().filter(|c| RESTART_SETTINGS.contains(&c.as_str())).cloned().collect();
         supervisor.emit(EventKind::SettingsChanged { settings: next.clone(), changed: changed.clone(), restart_required: restart_required.clone() });
         if let Some(file) = &self.inner.settings_file {

@@ -190,6 +190,9 @@ struct Inner {
     /// request for the GPU loads it again ([`Supervisor::load_gpu`]). Not a failure.
     gpu_unloaded: tokio::sync::watch::Sender<bool>,
     residency: Mutex<Residency>,
+    /// The VRAM reserve the GPU worker keeps free as settings set it since start (MiB); its
+    /// launches take it instead of the config's.
+    vram_reserve_mib: Mutex<Option<u64>>,
 }
 
 /// What keeps the GPU's copy of the model loaded: its keep_alive and its last use.
@@ -288,6 +291,7 @@ impl Supervisor {
             placement: RwLock::new(config.placement.clone()),
             fallback_bundle: Mutex::new(None),
             gpu_unloaded: tokio::sync::watch::channel(false).0,
+            vram_reserve_mib: Mutex::new(None),
             residency: Mutex::new(Residency { keep_alive: config.keep_alive, last_used: Instant::now(), loading: false, ever_used: false, last_load_ms: 0.0, last_reading: None }),
             config,
             gpu: RwLock::new(None),
@@ -536,13 +540,31 @@ impl Supervisor {
         }
     }
 
+    /// Tells the GPU worker, and every later launch of it, the VRAM reserve to keep free when
+    /// its requests take KV blocks (the settings' reserve changed).
+    pub async fn set_vram_reserve_mib(&self, mib: u64) {
+        // Test-only: the worker keeps its launch's reserve, as before (the negative control).
+        if headroom_model::test_defect("reserve-fixed-at-launch") {
+            return;
+        }
+        *self.inner.vram_reserve_mib.lock().unwrap() = Some(mib);
+        if let Some(worker) = self.gpu_worker() {
+            if let Err(e) = worker.set_vram_reserve(mib).await {
+                // It is going away; its successor launches with the new reserve.
+                tracing::warn!(error = %e, "could not tell the GPU worker its new VRAM reserve");
+            }
+        }
+    }
+
     /// The GPU worker's launch: its options with the layers of the placement in force.
     fn gpu_spec(&self) -> Option<WorkerSpec> {
         let c = &self.inner.config;
         let placement = self.placement();
+        let reserve = *self.inner.vram_reserve_mib.lock().unwrap();
         c.gpu.as_ref().map(|options| WorkerSpec {
             program: c.program.clone(),
             options: WorkerOptions {
+                vram_reserve_mib: reserve.unwrap_or(options.vram_reserve_mib),
                 gpu_layers: match &placement {
                     Some(plan) if !plan.head_on_gpu => Some(plan.gpu_layers),
                     Some(_) => None,
