@@ -581,6 +581,10 @@ async fn ollamas_keep_alive_unloads_the_gpu_copy_and_the_next_chat_loads_it() {
     assert_eq!(status["degraded"], false, "an unloaded model is not degraded: {status}");
     let ps = api.call("GET", "/api/ps", &[], None).await.json();
     assert_eq!(ps["models"][0]["size_vram"], 0, "{ps}");
+    let metrics = api.call("GET", "/metrics", &[], None).await.text;
+    for line in ["headroom_gpu_model_loaded 0", "headroom_gpu_model_unloads_total 1", "headroom_vram_used_bytes 0"] {
+        assert!(metrics.lines().any(|l| l == line), "{line}: {metrics}");
+    }
     assert_eq!(ps["models"][0]["headroom"]["gpu_residency"]["state"], "unloaded");
     let card = served(&api.call("GET", "/v1/models", &[], None).await.json());
     assert_eq!(card["state"], "cpu", "only the CPU worker holds it now: {card}");
@@ -601,6 +605,8 @@ async fn ollamas_keep_alive_unloads_the_gpu_copy_and_the_next_chat_loads_it() {
     let left = model["headroom"]["gpu_residency"]["unloads_in_ms"].as_u64().expect("a countdown while loaded and idle");
     assert!(left > 200_000 && left <= 300_000, "{left}");
     assert_ne!(model["expires_at"], "0001-01-01T00:00:00Z");
+    let metrics = api.call("GET", "/metrics", &[], None).await.text;
+    assert!(metrics.lines().any(|l| l == "headroom_gpu_model_loaded 1"), "{metrics}");
     let card = served(&api.call("GET", "/v1/models", &[], None).await.json());
     assert_eq!(card["state"], "gpu", "{card}");
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;

@@ -40,6 +40,8 @@ pub(crate) struct Metrics {
     pub breaker_state: Gauge,
     pub degraded: Gauge,
     pub gpu_paused: Gauge,
+    pub gpu_model_loaded: Gauge,
+    pub gpu_model_unloads: Counter,
     pub queue_waiting: Family<DeviceLabel, Gauge>,
     pub queue_running: Family<DeviceLabel, Gauge>,
     pub queue_capacity: Family<DeviceLabel, Gauge>,
@@ -75,6 +77,8 @@ impl Metrics {
             breaker_state: Gauge::default(),
             degraded: Gauge::default(),
             gpu_paused: Gauge::default(),
+            gpu_model_loaded: Gauge::default(),
+            gpu_model_unloads: Counter::default(),
             queue_waiting: Family::default(),
             queue_running: Family::default(),
             queue_capacity: Family::default(),
@@ -103,6 +107,8 @@ impl Metrics {
         m.registry.register("breaker_state", "GPU circuit breaker: 0 closed, 1 half-open, 2 open", m.breaker_state.clone());
         m.registry.register("degraded", "1 while GPU requests are served by the CPU worker", m.degraded.clone());
         m.registry.register("gpu_paused", "1 while the GPU is paused in settings (requests go to the CPU worker by choice)", m.gpu_paused.clone());
+        m.registry.register("gpu_model_loaded", "1 while the GPU holds the model; 0 once its keep_alive unloaded it (the next GPU request loads it)", m.gpu_model_loaded.clone());
+        m.registry.register("gpu_model_unloads", "Times the GPU's copy of the model was unloaded after its keep_alive", m.gpu_model_unloads.clone());
         m.registry.register("queue_waiting", "Requests waiting for a slot", m.queue_waiting.clone());
         m.registry.register("queue_running", "Requests running", m.queue_running.clone());
         m.registry.register("queue_capacity", "Requests that may wait before a capacity error", m.queue_capacity.clone());

@@ -15,6 +15,7 @@ impl Dispatcher {
         });
         m.degraded.set(i64::from(status.degraded));
         m.gpu_paused.set(i64::from(status.gpu_paused));
+        m.gpu_model_loaded.set(i64::from(status.gpu.is_some() && !status.gpu_unloaded));
         for q in self.queues() {
             let label = crate::metrics::device(q.device.as_str());
             m.queue_waiting.get_or_create(&label).set(q.waiting as i64);
@@ -33,7 +34,13 @@ impl Dispatcher {
         }
         // Gauges are i64; byte counts never come near its limit, but saturate rather than wrap.
         let bytes = |b: u64| i64::try_from(b).unwrap_or(i64::MAX);
-        if let Some(reading) = inner.supervisor.gpu_worker().and_then(|w| w.memory().borrow().clone()) {
+        if status.gpu_unloaded {
+            // Nothing of Headroom's is on the device: what is in use there is other programs'.
+            let others = inner.supervisor.vram_room().map_or(0, |room| room.total_bytes.saturating_sub(room.free_bytes));
+            m.vram_used_bytes.set(bytes(others));
+            m.vram_predicted_bytes.set(bytes(others));
+            m.gpu_kv_resident_bytes.set(0);
+        } else if let Some(reading) = inner.supervisor.gpu_worker().and_then(|w| w.memory().borrow().clone()) {
             m.vram_capacity_bytes.set(bytes(reading.capacity_bytes.unwrap_or(0)));
             m.vram_used_bytes.set(bytes(reading.used_bytes.unwrap_or(0)));
             m.vram_predicted_bytes.set(bytes(reading.weights_bytes + reading.reserved_bytes + reading.competing_bytes));

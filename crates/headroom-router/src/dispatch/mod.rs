@@ -311,6 +311,10 @@ impl Inner {
         let lane = &self.gpu;
         let work = *lane.work_ahead.lock().unwrap();
         let idle = lane.waiting.load(Ordering::SeqCst) == 0 && lane.running.load(Ordering::SeqCst) == 0 && work.prompt_tokens == 0 && work.max_tokens == 0;
-        idle && self.supervisor.unload_if_expired()
+        let unloaded = idle && self.supervisor.unload_if_expired();
+        if unloaded {
+            self.metrics.gpu_model_unloads.inc();
+        }
+        unloaded
     }
 }
