@@ -100,22 +100,25 @@ try {
     assert.match(await reply.getByTestId("reply-notice").innerText(), /paused/);
   });
 
-  await check("a queued request is cancelled from the UI; the one ahead of it finishes", async () => {
-    // One CPU slot (the CPU worker runs 4 together by default): a long request from another
-    // client takes it.
+  await check("a queued request is cancelled from the UI; the ones ahead of it finish", async () => {
+    // One CPU slot (the CPU worker runs 4 together by default): two long requests from another
+    // client take it and wait for it (two, so the UI's request stays queued for seconds, however
+    // busy the machine).
     const patched = await fetch(`${server.url}/v1/settings`, {
       method: "PATCH",
       headers: { "content-type": "application/json" },
       body: JSON.stringify({ cpu_max_concurrency: 1 }),
     });
     assert.equal(patched.status, 200, await patched.text());
-    const ahead = fetch(`${server.url}/v1/completions`, {
-      method: "POST",
-      headers: { "content-type": "application/json" },
-      body: JSON.stringify({ model: "default", prompt: "And it came to pass", max_tokens: 900, ignore_eos: true }),
-    });
+    const long = () =>
+      fetch(`${server.url}/v1/completions`, {
+        method: "POST",
+        headers: { "content-type": "application/json" },
+        body: JSON.stringify({ model: "default", prompt: "And it came to pass", max_tokens: 900, ignore_eos: true }),
+      });
+    const ahead = [long(), long()];
     await page.getByTestId("tab-memory").click();
-    await page.locator(".queues tr", { hasText: "cpu" }).filter({ has: page.locator("td:nth-child(3)", { hasText: "1" }) }).waitFor({ timeout: 10_000 });
+    await page.locator(".queues tr", { hasText: "cpu" }).filter({ has: page.locator("td:nth-child(3)", { hasText: "1" }) }).filter({ has: page.locator("td:nth-child(2)", { hasText: "1" }) }).waitFor({ timeout: 10_000 });
     await page.getByTestId("prompt").fill("The voice of one crying");
     await page.getByTestId("send").click();
     const reply = page.getByTestId("reply").last();
@@ -124,7 +127,7 @@ try {
     assert.equal((await (await fetch(`${server.url}/v1/requests/${id}`)).json()).state, "queued", "the UI's request waits behind the other");
     await reply.getByTestId("reply-delay").waitFor({ timeout: 5_000 });
     assert.match(await reply.getByTestId("reply-delay").innerText(), /^queued: (about \d+ (ms|s|min) left|any moment now)$/, "the expected wait counts down");
-    await page.locator(".queues tr", { hasText: "cpu" }).filter({ has: page.locator("td:nth-child(2)", { hasText: "1" }) }).waitFor({ timeout: 5_000 });
+    await page.locator(".queues tr", { hasText: "cpu" }).filter({ has: page.locator("td:nth-child(2)", { hasText: "2" }) }).waitFor({ timeout: 5_000 });
     await page.screenshot({ path: join(shots, "queued-1440x900.png") });
     await page.getByTestId("stop").click();
     await reply.getByText("stopped").waitFor({ timeout: 10_000 });
@@ -134,9 +137,10 @@ try {
       if (state !== "cancelled") await new Promise((r) => setTimeout(r, 100));
     }
     assert.equal(state, "cancelled", `request ${id} on the server`);
-    const done = await ahead;
-    assert.equal(done.status, 200, "the request ahead was not touched");
-    assert.equal((await done.json()).usage.completion_tokens, 900);
+    for (const done of await Promise.all(ahead)) {
+      assert.equal(done.status, 200, "the requests ahead were not touched");
+      assert.equal((await done.json()).usage.completion_tokens, 900);
+    }
   });
 
   await check("resuming the GPU brings replies back to it", async () => {
