@@ -16,7 +16,7 @@ pub mod worker;
 
 pub use breaker::{Breaker, BreakerConfig, BreakerState, BreakerTransition, FailureCause};
 pub use dispatch::{
-    CancelOutcome, Completion, Defect, Dispatcher, GpuKv, Placement, QueueConfig, QueueStatus, ServiceStatus, SettingsError, SettingsUpdate, StreamEvent, Submission, SubmitError, Ticket,
+    CancelOutcome, Completion, Defect, Dispatcher, GpuKv, GpuShare, Placement, QueueConfig, QueueStatus, ServiceStatus, SettingsError, SettingsUpdate, StreamEvent, Submission, SubmitError, Ticket,
     WaitNotice, WorkerSnapshot, WorkerState,
 };
 pub use events::{EventKind, ServiceEvent};

@@ -5,14 +5,21 @@ use super::*;
 
 impl Dispatcher {
     /// The GPU budget admission uses now (None without a healthy GPU): total, the reserve kept
-    /// for other programs, weights, what requests hold, observed free memory.
+    /// for other programs, weights, what requests hold, observed free memory; on a GPU shared
+    /// with other models, what they hold there too (see [`GpuShare`]).
     pub fn gpu_budget(&self) -> Option<Budget> {
+        let own = self.own_gpu_budget()?;
+        Some(self.beside_others(own, &[]))
+    }
+
+    /// The budget of this model alone on its GPU.
+    pub(super) fn own_gpu_budget(&self) -> Option<Budget> {
         let s = &self.inner.supervisor;
         if s.config().gpu.is_none() || s.status().degraded || s.gpu_paused() {
             return None;
         }
-        if let Some(reading) = s.unloaded_gpu_reading() {
-            return self.gpu_budget_to_load(&reading);
+        if s.gpu_loads_on_demand() {
+            return self.gpu_budget_to_load(s.unloaded_gpu_reading().as_ref());
         }
         let worker = s.gpu_worker()?;
         let reading = worker.memory().borrow().clone()?;
@@ -32,16 +39,19 @@ impl Dispatcher {
     /// The GPU budget while the model is unloaded (or loading again): its last worker's
     /// weights are charged as if loaded, against the VRAM free now, so a load is admitted like
     /// a request and a request that would not fit beside the reloaded weights goes elsewhere.
-    fn gpu_budget_to_load(&self, last: &headroom_worker::MemoryReading) -> Option<Budget> {
-        let total = last.capacity_bytes?;
+    /// A model never loaded yet (it loads at its first request) is charged the weights the
+    /// memory model predicts for it.
+    fn gpu_budget_to_load(&self, last: Option<&headroom_worker::MemoryReading>) -> Option<Budget> {
+        let room = self.inner.supervisor.vram_room();
+        let total = last.and_then(|r| r.capacity_bytes).or(room.map(|r| r.total_bytes))?;
+        let weights = last.map_or_else(|| self.planner().shape.weights_bytes(), |r| r.weights_bytes);
         let granted = self.inner.gpu_ledger.held_bytes();
-        let free_now = self.inner.supervisor.vram_room().map(|room| room.free_bytes);
         Some(Budget {
             total_bytes: total,
             reserve_bytes: self.vram_reserve_bytes(total),
-            weights_bytes: last.weights_bytes,
+            weights_bytes: weights,
             held_bytes: granted,
-            observed_free_bytes: free_now.map(|free| free.saturating_sub(last.weights_bytes).saturating_sub(granted)),
+            observed_free_bytes: room.map(|room| room.free_bytes.saturating_sub(weights).saturating_sub(granted)),
         })
     }
 
@@ -67,7 +77,11 @@ impl Dispatcher {
     /// Reserves `bytes` of GPU memory if the budget has them now.
     pub(super) fn try_grant_gpu(&self, id: &str, bytes: u64) -> Option<Reservation> {
         let _one_at_a_time = self.inner.gpu_grant.lock().unwrap();
-        let budget = self.gpu_budget()?;
+        let mut budget = self.gpu_budget()?;
+        // On a shared GPU an idle model may make way (see [`Self::evict_for`]).
+        if bytes > budget.available_bytes() && self.evict_for(bytes) {
+            budget = self.gpu_budget()?;
+        }
         (bytes <= budget.available_bytes()).then(|| self.inner.gpu_ledger.try_reserve(id, bytes).ok()).flatten()
     }
 

@@ -53,6 +53,10 @@ impl Dispatcher {
             // A model unloaded after its keep_alive loads again for the request that needs it,
             // which waits here holding its GPU slot: an unload is not a reason to go to the CPU.
             if x.on_gpu && !self.has_defect(Defect::UnloadedModelRedirects) {
+                // On a shared GPU the memory comes back when the models that made way are gone.
+                if self.inner.supervisor.gpu_unloaded() {
+                    self.wait_for_departures(&cancel).await;
+                }
                 if let Some(waited) = self.inner.supervisor.load_gpu(&cancel).await {
                     x.load_ms += waited.as_secs_f64() * 1000.0;
                 }

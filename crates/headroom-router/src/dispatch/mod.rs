@@ -35,6 +35,7 @@ mod metrics;
 mod recovery;
 mod request;
 mod settings;
+mod share;
 mod status;
 mod ticket;
 
@@ -44,6 +45,7 @@ pub use lanes::{QueueConfig, QueueStatus};
 use recovery::journal_failure;
 use request::Start;
 pub use settings::{SettingsError, SettingsUpdate};
+pub use share::GpuShare;
 pub use status::{GpuKv, Placement, ServiceStatus, WorkerSnapshot, WorkerState};
 use ticket::{Ended, Finished};
 pub use ticket::{Completion, StreamEvent, Submission, SubmitError, Ticket, WaitNotice};
@@ -75,6 +77,8 @@ struct Inner {
     /// Test-only: defects switched back on, for the negative controls of the tests that
     /// guard against them.
     defects: Mutex<Vec<Defect>>,
+    /// The GPU shared with other models' dispatchers, if it is (see [`GpuShare`]).
+    share: Mutex<Option<share::Membership>>,
 }
 
 /// A fixed defect that a test switches back on, to show that its check catches it.
@@ -97,6 +101,8 @@ pub enum Defect {
     /// A GPU request that finds the model unloaded (keep_alive) goes to the CPU instead of
     /// loading it again.
     UnloadedModelRedirects,
+    /// Admission on a GPU shared by several models counts this model alone, and never evicts.
+    GpuShareIgnored,
 }
 
 /// A request that has been launched and has not ended.
@@ -172,6 +178,7 @@ impl Dispatcher {
             metrics: Metrics::new(),
             journal_fault: Mutex::new(None),
             defects: Mutex::new(Vec::new()),
+            share: Mutex::new(None),
         });
         let dispatcher = Self { inner };
         if dispatcher.inner.supervisor.config().gpu.is_some() {
@@ -307,13 +314,21 @@ async fn unload_when_idle(inner: std::sync::Weak<Inner>) {
 }
 
 impl Inner {
-    fn unload_if_idle(&self) -> bool {
+    /// Nothing waits for or runs on the GPU lane.
+    fn gpu_lane_idle(&self) -> bool {
         let lane = &self.gpu;
         let work = *lane.work_ahead.lock().unwrap();
-        let idle = lane.waiting.load(Ordering::SeqCst) == 0 && lane.running.load(Ordering::SeqCst) == 0 && work.prompt_tokens == 0 && work.max_tokens == 0;
-        let unloaded = idle && self.supervisor.unload_if_expired();
+        lane.waiting.load(Ordering::SeqCst) == 0 && lane.running.load(Ordering::SeqCst) == 0 && work.prompt_tokens == 0 && work.max_tokens == 0
+    }
+
+    fn unload_if_idle(&self) -> bool {
+        let leaving = self.supervisor.gpu_worker();
+        let unloaded = self.gpu_lane_idle() && self.supervisor.unload_if_expired();
         if unloaded {
             self.metrics.gpu_model_unloads.inc();
+            if let Some(worker) = leaving {
+                self.leaving(worker);
+            }
         }
         unloaded
     }

@@ -133,7 +133,15 @@ impl Dispatcher {
                 planner.decide(shape, allow, gpu_budget.as_ref(), host, |_| gpu_eta)
             }
         };
-        let (admission, drop_cache) = headroom_memory::decide_dropping(&self.host_budget(), self.cpu_prefix_cache_bytes(), decide);
+        let (mut admission, mut drop_cache) = headroom_memory::decide_dropping(&self.host_budget(), self.cpu_prefix_cache_bytes(), decide);
+        // On a GPU shared with other models, an idle one may make way before the CPU is chosen.
+        if !paused && self.gpu_configured() && !matches!(admission, Admission::Gpu { .. } | Admission::Shrink { .. }) {
+            let needs = planner.footprint(shape).request_bytes();
+            if self.evict_for(needs) {
+                let gpu_budget = self.gpu_budget();
+                (admission, drop_cache) = headroom_memory::decide_dropping(&self.host_budget(), self.cpu_prefix_cache_bytes(), |host: &Budget| planner.decide(shape, allow, gpu_budget.as_ref(), host, |_| gpu_eta));
+            }
+        }
         if drop_cache {
             self.drop_cpu_prefix_cache(id);
         }

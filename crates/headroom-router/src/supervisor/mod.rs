@@ -103,6 +103,9 @@ pub struct SupervisorConfig {
     pub replan: Option<LayerPlanner>,
     /// How long the GPU keeps the model loaded once idle (see [`Supervisor::unload_if_expired`]).
     pub keep_alive: headroom_memory::KeepAlive,
+    /// Load the model on the GPU at start (true) or at its first GPU request (false: a model
+    /// that shares the GPU with others and is not pinned).
+    pub gpu_at_start: bool,
 }
 
 /// The VRAM a GPU worker about to launch can have: the device's capacity, and what is free of
@@ -163,6 +166,7 @@ impl SupervisorConfig {
             placement: None,
             replan: None,
             keep_alive: headroom_memory::KeepAlive::Forever,
+            gpu_at_start: true,
         }
     }
 }
@@ -290,7 +294,7 @@ impl Supervisor {
             gpu_paused: tokio::sync::watch::channel(config.gpu_paused).0,
             placement: RwLock::new(config.placement.clone()),
             fallback_bundle: Mutex::new(None),
-            gpu_unloaded: tokio::sync::watch::channel(false).0,
+            gpu_unloaded: tokio::sync::watch::channel(config.gpu.is_some() && !config.gpu_at_start).0,
             vram_reserve_mib: Mutex::new(None),
             residency: Mutex::new(Residency { keep_alive: config.keep_alive, last_used: Instant::now(), loading: false, ever_used: false, last_load_ms: 0.0, last_reading: None }),
             config,
@@ -303,7 +307,7 @@ impl Supervisor {
         let supervisor = Supervisor { inner };
         let cpu_spec = supervisor.cpu_spec();
         // A paused GPU's worker starts when it is unpaused.
-        let gpu_spec = supervisor.gpu_spec().filter(|_| !supervisor.gpu_paused());
+        let gpu_spec = supervisor.gpu_spec().filter(|_| !supervisor.gpu_paused() && !supervisor.gpu_unloaded());
         let (cpu, gpu) = tokio::join!(supervisor.inner.config.launcher.launch(&cpu_spec), async {
             match &gpu_spec {
                 Some(spec) => Some(supervisor.inner.config.launcher.launch(spec).await),
@@ -441,31 +445,44 @@ impl Supervisor {
     /// Unloads the GPU's copy of the model when its keep_alive has run out. The caller knows
     /// that no request waits for or runs on the GPU. Returns whether it began the unload.
     pub fn unload_if_expired(&self) -> bool {
+        self.unload(None).is_some()
+    }
+
+    /// Unloads the GPU's copy of the model now, whatever its keep_alive, to make room for
+    /// `for_model` on a shared GPU. The caller knows that no request waits for or runs on it.
+    /// Returns the worker leaving, whose exit frees the memory.
+    pub fn evict(&self, for_model: &str) -> Option<Arc<Worker>> {
+        self.unload(Some(for_model))
+    }
+
+    /// An unload for its keep_alive (`evicted_for` None) or an eviction.
+    fn unload(&self, evicted_for: Option<&str>) -> Option<Arc<Worker>> {
         if self.gpu_paused() || self.gpu_unloaded() || self.shutting_down() {
-            return false;
+            return None;
         }
-        let Some(worker) = self.gpu_worker() else { return false };
+        let worker = self.gpu_worker()?;
         if worker.active_requests() > 0 || !self.inner.breaker.lock().unwrap().allows_requests() {
-            return false;
+            return None;
         }
         let (keep_alive, idle) = {
             let mut r = self.inner.residency.lock().unwrap();
-            if !r.keep_alive.expired(r.last_used.elapsed()) {
-                return false;
+            if evicted_for.is_none() && !r.keep_alive.expired(r.last_used.elapsed()) {
+                return None;
             }
             // Admission charges a load against this reading (a worker that just loaded has not
             // sampled yet: the previous one's); without any, the model stays.
-            let Some(reading) = worker.memory().borrow().clone().or_else(|| r.last_reading.clone()) else { return false };
+            let reading = worker.memory().borrow().clone().or_else(|| r.last_reading.clone())?;
             r.last_load_ms = worker.ready.load_ms;
             r.last_reading = Some(reading);
             (r.keep_alive, r.last_used.elapsed())
         };
         self.inner.gpu_unloaded.send_replace(true);
-        self.emit(EventKind::GpuModelUnloaded {
-            device: worker.device,
-            reason: format!("idle for {} ms, past its keep_alive of {keep_alive}; its VRAM is free until the next request loads it again", idle.as_millis()),
-        });
-        true
+        let reason = match evicted_for {
+            None => format!("idle for {} ms, past its keep_alive of {keep_alive}; its VRAM is free until the next request loads it again", idle.as_millis()),
+            Some(other) => format!("evicted to make room for {other} (idle for {} ms, least recently used); the next request loads it again", idle.as_millis()),
+        };
+        self.emit(EventKind::GpuModelUnloaded { device: worker.device, reason });
+        Some(worker)
     }
 
     /// Loads the GPU's copy of the model again if it was unloaded, and waits until its worker is

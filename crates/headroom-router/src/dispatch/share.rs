@@ -1,0 +1,161 @@
+//! Several models on one GPU. Each model's dispatcher joins a [`GpuShare`]: admission for one
+//! counts what the others hold there (weights and their requests' grants), and before it sends
+//! a request to the CPU for want of room it may evict another model that is idle (not pinned,
+//! nothing waiting or running; least recently used first). An evicted model unloads as after its
+//! keep_alive and loads again at its next request; a load waits for the evicted workers to be
+//! gone, since their exit is what frees the memory.
+
+use super::*;
+
+/// One GPU that several models' dispatchers share.
+#[derive(Clone, Default)]
+pub struct GpuShare {
+    inner: Arc<Mutex<ShareInner>>,
+}
+
+#[derive(Default)]
+struct ShareInner {
+    members: Vec<Seat>,
+    /// Workers unloaded or evicted and not gone yet.
+    leaving: Vec<Arc<crate::Worker>>,
+}
+
+struct Seat {
+    pinned: bool,
+    dispatcher: std::sync::Weak<Inner>,
+}
+
+/// A dispatcher's place in a share: the share, and the model's name there.
+pub(super) struct Membership {
+    share: GpuShare,
+    name: String,
+}
+
+impl GpuShare {
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+impl Dispatcher {
+    /// Joins `share` as the model `name`: from now on admission counts what the share's other
+    /// models hold on the GPU, and may evict them when idle. A `pinned` model is never evicted.
+    pub fn share_gpu(&self, share: &GpuShare, name: &str, pinned: bool) {
+        share.inner.lock().unwrap().members.push(Seat { pinned, dispatcher: Arc::downgrade(&self.inner) });
+        *self.inner.share.lock().unwrap() = Some(Membership { share: share.clone(), name: name.to_string() });
+    }
+
+    /// The other models of this one's share, with whether each is pinned.
+    fn others(&self) -> Vec<(Arc<Inner>, bool)> {
+        let Some(share) = self.inner.share.lock().unwrap().as_ref().map(|m| m.share.clone()) else { return Vec::new() };
+        let members = share.inner.lock().unwrap();
+        members
+            .members
+            .iter()
+            .filter_map(|seat| seat.dispatcher.upgrade().map(|d| (d, seat.pinned)))
+            .filter(|(d, _)| !Arc::ptr_eq(d, &self.inner))
+            .collect()
+    }
+
+    /// `own` (this model's budget alone) with what the share's other models hold on the GPU
+    /// added, leaving out `except` (a model whose eviction is being weighed).
+    pub(super) fn beside_others(&self, mut own: Budget, except: &[Arc<Inner>]) -> Budget {
+        if self.has_defect(Defect::GpuShareIgnored) {
+            return own;
+        }
+        let (mut weights, mut held) = (0, 0);
+        for (other, _) in self.others() {
+            if except.iter().any(|e| Arc::ptr_eq(e, &other)) {
+                continue;
+            }
+            let (w, h) = other.held_on_gpu();
+            weights += w;
+            held += h;
+        }
+        own.weights_bytes += weights;
+        own.held_bytes += held;
+        // A driver's reading of free memory already counts the other models' processes; the
+        // sim GPU's reading is this worker's alone.
+        if self.inner.supervisor.config().gpu.as_ref().is_some_and(|g| g.device == Device::Sim) {
+            own.observed_free_bytes = own.observed_free_bytes.map(|free| free.saturating_sub(weights + held));
+        }
+        own
+    }
+
+    /// Evicts idle models of the share, least recently used first, until `needs` bytes fit;
+    /// only when evicting every idle one would make them fit. Returns whether it evicted any.
+    pub(super) fn evict_for(&self, needs: u64) -> bool {
+        let Some((share, name)) = self.inner.share.lock().unwrap().as_ref().map(|m| (m.share.clone(), m.name.clone())) else { return false };
+        if self.has_defect(Defect::GpuShareIgnored) {
+            return false;
+        }
+        let mut idle: Vec<Arc<Inner>> = self.others().into_iter().filter(|(o, pinned)| !pinned && o.evictable()).map(|(o, _)| o).collect();
+        let Some(own) = self.own_gpu_budget() else { return false };
+        if idle.is_empty() || needs > self.beside_others(own, &idle).available_bytes() {
+            return false;
+        }
+        // Never used first, then the longest idle.
+        idle.sort_by_key(|o| o.supervisor.last_used());
+        let mut evicted = false;
+        for other in idle {
+            if self.gpu_budget().is_some_and(|b| needs <= b.available_bytes()) {
+                break;
+            }
+            if let Some(worker) = other.supervisor.evict(&name) {
+                other.metrics.gpu_model_unloads.inc();
+                share.inner.lock().unwrap().leaving.push(worker);
+                evicted = true;
+            }
+        }
+        evicted
+    }
+
+    /// Waits until the workers unloaded or evicted from this model's share have exited (their
+    /// exit frees the memory a load is about to take), up to the load timeout.
+    pub(super) async fn wait_for_departures(&self, cancel: &CancelSignal) {
+        let Some(share) = self.inner.share.lock().unwrap().as_ref().map(|m| m.share.clone()) else { return };
+        let limit = Instant::now() + Duration::from_millis(self.inner.supervisor.config().supervision.load_timeout_ms);
+        loop {
+            let gone = {
+                let mut inner = share.inner.lock().unwrap();
+                inner.leaving.retain(|w| !w.has_exited());
+                inner.leaving.is_empty()
+            };
+            if gone || Instant::now() > limit || cancel.is_cancelled() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+impl Inner {
+    /// The model's weights on its GPU and what its requests were granted there, now: nothing
+    /// once unloaded; while loading again, the weights it is about to take.
+    pub(super) fn held_on_gpu(&self) -> (u64, u64) {
+        let s = &self.supervisor;
+        if s.config().gpu.is_none() || s.gpu_unloaded() {
+            return (0, 0);
+        }
+        let reading = match s.gpu_worker() {
+            Some(worker) => worker.memory().borrow().clone(),
+            None if s.gpu_loads_on_demand() => s.unloaded_gpu_reading(),
+            None => return (0, 0),
+        };
+        let weights = reading.as_ref().map_or_else(|| self.planner.shape.weights_bytes(), |r| r.weights_bytes);
+        let held = self.gpu_ledger.held_bytes().max(reading.map_or(0, |r| r.reserved_bytes));
+        (weights, held)
+    }
+
+    /// Loaded on the GPU with nothing waiting for or running on it.
+    fn evictable(&self) -> bool {
+        self.supervisor.gpu_worker().is_some() && !self.supervisor.gpu_unloaded() && self.gpu_lane_idle()
+    }
+
+    /// A worker this model unloaded for its keep_alive: a load of another model waits for it.
+    pub(super) fn leaving(&self, worker: Arc<crate::Worker>) {
+        if let Some(m) = self.share.lock().unwrap().as_ref() {
+            m.share.inner.lock().unwrap().leaving.push(worker);
+        }
+    }
+}

@@ -1,0 +1,137 @@
+//! Several models on one GPU (`GpuShare`): admission for one counts what the others hold, an
+//! idle model is evicted (least recently used, never a pinned one) before a request goes to the
+//! CPU, and an evicted model loads again at its next request, once the evicted worker is gone.
+//! In-process workers: each model's sim GPU worker reports 64 MiB of weights on a 74 MiB GPU
+//! with no reserve, so one model and its requests fit and two models do not.
+
+mod support;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use headroom_memory::MemoryConfig;
+use headroom_model::ModelBundle;
+use headroom_router::{Defect, Dispatcher, GpuShare, Journal, Lane, QueueConfig, Settings, Supervisor, Ticket};
+use headroom_worker::Device;
+use support::{config, ends, model_dir, prompt, submission, until, Workers};
+
+const GPU_MIB: u64 = 74;
+
+async fn model(workers: &Arc<Workers>, share: &GpuShare, name: &str, at_start: bool, pinned: bool, defect: Option<Defect>) -> Dispatcher {
+    let mut c = config(workers, 4, Duration::from_millis(4));
+    c.gpu.as_mut().unwrap().sim_vram_mib = GPU_MIB;
+    c.gpu_at_start = at_start;
+    let supervisor = Supervisor::start(c).await.unwrap();
+    let bundle = ModelBundle::open(model_dir()).unwrap();
+    let memory = MemoryConfig { vram_reserve_mib: Some(0), ..MemoryConfig::default() };
+    let (planner, _) = headroom_memory::planner_for(&bundle, "cpu", memory.clone());
+    let d = Dispatcher::start(supervisor, Journal::in_memory().unwrap(), planner, memory, QueueConfig::default(), Settings::default(), None).unwrap().0;
+    if let Some(defect) = defect {
+        d.reintroduce_defect_for_test(defect);
+    }
+    d.share_gpu(share, name, pinned);
+    d
+}
+
+fn loaded(d: &Dispatcher) -> bool {
+    d.supervisor().gpu_worker().is_some()
+}
+
+/// Samples, every millisecond, whether both models held a GPU worker at once.
+fn watch_overlap(a: &Dispatcher, b: &Dispatcher) -> (Arc<AtomicBool>, Arc<AtomicBool>) {
+    let (overlap, stop) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+    let (a, b, o, s) = (a.clone(), b.clone(), overlap.clone(), stop.clone());
+    tokio::spawn(async move {
+        while !s.load(Ordering::SeqCst) {
+            if loaded(&a) && loaded(&b) {
+                o.store(true, Ordering::SeqCst);
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    });
+    (overlap, stop)
+}
+
+/// Model A loaded and used, model B not loaded; B's request arrives, then A's again.
+async fn take_turns(defect: Option<Defect>) -> (bool, Vec<(Device, bool)>) {
+    let workers = Arc::new(Workers::default());
+    let share = GpuShare::new();
+    let a = model(&workers, &share, "a", true, false, defect).await;
+    let b = model(&workers, &share, "b", false, false, defect).await;
+    assert!(loaded(&a) && !loaded(&b), "B loads at its first request");
+    let (overlap, stop) = watch_overlap(&a, &b);
+    let mut served = Vec::new();
+    for (d, id) in [(&a, "a-1"), (&b, "b-1"), (&a, "a-2")] {
+        let e = ends(vec![d.submit(submission(id, prompt(0), 8, false)).unwrap()]).await;
+        assert!(e.lost.is_empty(), "{id}: {:?}", e.lost);
+        served.push((e.completed[0].outcome.device, e.completed[0].outcome.degraded));
+    }
+    stop.store(true, Ordering::SeqCst);
+    let both = overlap.load(Ordering::SeqCst);
+    for d in [a, b] {
+        d.supervisor().shutdown().await;
+    }
+    (both, served)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_model_makes_way_for_another_and_loads_again_after_it() {
+    let (both, served) = take_turns(None).await;
+    assert_eq!(served, vec![(Device::Sim, false); 3], "each ran on the GPU after evicting the other, none degraded");
+    assert!(!both, "the two models never held the GPU at once: each load waited for the evicted worker to go");
+}
+
+/// Negative control: admission that counts its own model alone loads B beside A, more than the
+/// GPU holds; the check above catches it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_admission_blind_to_the_other_model_is_caught() {
+    let (both, _) = take_turns(Some(Defect::GpuShareIgnored)).await;
+    assert!(both, "both models were loaded at once on a GPU that holds one");
+}
+
+/// A pinned model is never evicted: the other model's request goes to its CPU worker, marked
+/// degraded for want of GPU memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_model_is_never_evicted() {
+    let workers = Arc::new(Workers::default());
+    let share = GpuShare::new();
+    let a = model(&workers, &share, "a", true, true, None).await;
+    let b = model(&workers, &share, "b", false, false, None).await;
+    let e = ends(vec![b.submit(submission("b-1", prompt(0), 8, false)).unwrap()]).await;
+    let c = &e.completed[0];
+    assert_eq!(c.outcome.device, Device::Cpu);
+    assert!(c.outcome.degraded_summary.as_deref().is_some_and(|s| s.starts_with("The GPU is out of memory")), "{:?}", c.outcome.degraded_summary);
+    assert!(loaded(&a) && !loaded(&b));
+    for d in [a, b] {
+        d.supervisor().shutdown().await;
+    }
+}
+
+/// Fault at full load on a shared GPU: model A's 4 slots full with 4 queued behind them, model
+/// B's requests arrive (A is busy, so nothing can be evicted: they go to B's CPU worker), then
+/// A's GPU worker dies. Nothing of either model is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_gpu_killed_at_full_load_loses_nothing_of_either_model() {
+    let workers = Arc::new(Workers::default());
+    let share = GpuShare::new();
+    let a = model(&workers, &share, "a", true, false, None).await;
+    let b = model(&workers, &share, "b", false, false, None).await;
+    let mut tickets: Vec<Ticket> = (0..8).map(|i| a.submit(submission(&format!("a-{i}"), prompt(i), 60, i % 2 == 0)).unwrap()).collect();
+    let gpu = |d: &Dispatcher| d.queues().into_iter().find(|q| q.device == Lane::Gpu).unwrap();
+    until(10, "A's 4 slots full and 4 queued", || gpu(&a).running == 4 && gpu(&a).waiting == 4).await;
+    tickets.extend((0..4).map(|i| b.submit(submission(&format!("b-{i}"), prompt(i), 20, i % 2 == 1)).unwrap()));
+    until(10, "8 tokens of each running request of A", || workers.tokens_generated(Device::Sim) >= 4 * 8).await;
+    assert!(!loaded(&b), "B found no room beside busy A");
+    workers.kill_latest(Device::Sim);
+    let e = ends(tickets).await;
+    assert!(e.lost.is_empty(), "lost after acceptance: {:?}", e.lost);
+    assert_eq!(e.completed.len(), 12);
+    for c in &e.completed {
+        let expected = if c.outcome.request_id.starts_with("a-") { 60 } else { 20 };
+        assert_eq!(c.outcome.tokens.len(), expected, "{}", c.outcome.request_id);
+    }
+    for d in [a, b] {
+        d.supervisor().shutdown().await;
+    }
+}
