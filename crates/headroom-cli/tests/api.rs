@@ -56,6 +56,8 @@ async fn api_placed(with_sim_gpu: bool, api_key: Option<&str>, settings_file: Op
         limits: Limits { context_tokens: bundle.config.max_position_embeddings, default_max_tokens: 32 },
         model_id: bundle.name(),
         bundle: Arc::new(bundle),
+        role: Default::default(),
+        models: Default::default(),
         api_key: api_key.map(str::to_string),
         sim_faults: with_sim_gpu,
         created_unix: 0,

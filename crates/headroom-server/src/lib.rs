@@ -79,13 +79,49 @@ impl ServerConfig {
 /// The desktop app's web view origins (Tauri 2 on Linux/macOS and on Windows).
 pub const APP_ORIGINS: [&str; 3] = ["tauri://localhost", "http://tauri.localhost", "https://tauri.localhost"];
 
-/// What the handlers share.
+/// What a served model is for: `chat` (chat and completions, and embeddings unless an
+/// embedding model is served beside it) or `embedding` (embeddings only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    #[default]
+    Chat,
+    Embedding,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Chat => "chat",
+            Role::Embedding => "embedding",
+        }
+    }
+}
+
+/// A model the service serves beside the first one: its own workers and dispatcher, on the
+/// GPU they share.
+#[derive(Clone)]
+pub struct ServedModel {
+    pub dispatcher: Dispatcher,
+    pub bundle: Arc<ModelBundle>,
+    pub model_id: String,
+    pub limits: Limits,
+    pub role: Role,
+}
+
+/// What the handlers share. The model fields (`dispatcher`, `bundle`, `model_id`, `limits`,
+/// `role`) are the first served model's; a handler that names another model works on a copy
+/// with that model's ([`AppState::for_model`]).
+#[derive(Clone)]
 pub struct AppState {
     pub dispatcher: Dispatcher,
     pub bundle: Arc<ModelBundle>,
     /// The id clients use in `model` (the served folder's name).
     pub model_id: String,
     pub limits: Limits,
+    pub role: Role,
+    /// Every served model, the first one included, in the order they were configured.
+    pub models: Arc<Vec<ServedModel>>,
     /// Required as a bearer token when set.
     pub api_key: Option<String>,
     /// Whether `/admin/sim/fault` exists (only with `--gpu sim`).
@@ -94,6 +130,69 @@ pub struct AppState {
 }
 
 impl AppState {
+    /// The state of the served model `requested` names: its id, `default` (the first model),
+    /// either with Ollama's `:tag`. Unknown names are a 404 listing what is served; a name is
+    /// only ever compared, never looked up as a path.
+    pub fn for_model(self: &Arc<Self>, requested: &str) -> Result<Arc<AppState>, ApiError> {
+        let bare = requested.split_once(':').map_or(requested, |(name, _)| name);
+        if requested == self.model_id || bare == self.model_id || bare == "default" || requested.is_empty() {
+            return Ok(self.clone());
+        }
+        match self.models.iter().find(|m| m.model_id == requested || m.model_id == bare) {
+            Some(m) => Ok(Arc::new(AppState {
+                dispatcher: m.dispatcher.clone(),
+                bundle: m.bundle.clone(),
+                model_id: m.model_id.clone(),
+                limits: m.limits.clone(),
+                role: m.role,
+                ..(**self).clone()
+            })),
+            None => {
+                let mut e = ApiError::not_found(
+                    "model_not_found",
+                    format!("model {requested:?} is not served here; this server serves {} (see GET /v1/models). Models are configured with `headroom serve --model` or [[models]] in the config file, never per request", self.served_names()),
+                );
+                e.param = Some("model".into());
+                Err(e)
+            }
+        }
+    }
+
+    /// Every served model's state, the first model's first.
+    pub fn served(self: &Arc<Self>) -> Vec<Arc<AppState>> {
+        let mut all = vec![self.clone()];
+        all.extend(self.models.iter().filter(|m| m.model_id != self.model_id).filter_map(|m| self.for_model(&m.model_id).ok()));
+        all
+    }
+
+    /// The served models' ids, quoted and listed: `"a", "b"`.
+    pub fn served_names(&self) -> String {
+        let names: Vec<String> = if self.models.is_empty() { vec![format!("{:?}", self.model_id)] } else { self.models.iter().map(|m| format!("{:?}", m.model_id)).collect() };
+        names.join(", ")
+    }
+
+    /// Refuses a request of the wrong kind for this model: chat or completions to an embedding
+    /// model; embeddings to a chat model when an embedding model is served beside it.
+    pub fn check_role(&self, wants: Role) -> Result<(), ApiError> {
+        let embedder = self.models.iter().find(|m| m.role == Role::Embedding);
+        match (wants, self.role) {
+            (Role::Chat, Role::Embedding) => Err(ApiError::invalid(
+                "model",
+                format!("model {:?} is an embedding model: it answers POST /v1/embeddings (and Ollama's /api/embed); send chat and completions to a chat model ({})", self.model_id, self.names_with(Role::Chat)),
+            )),
+            (Role::Embedding, Role::Chat) if embedder.is_some() => Err(ApiError::invalid(
+                "model",
+                format!("model {:?} is a chat model; embeddings are served by {} here", self.model_id, self.names_with(Role::Embedding)),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    fn names_with(&self, role: Role) -> String {
+        let names: Vec<String> = self.models.iter().filter(|m| m.role == role).map(|m| format!("{:?}", m.model_id)).collect();
+        if names.is_empty() { "none is served".into() } else { names.join(", ") }
+    }
+
     /// The limits a request is checked against now: without a GPU the CPU worker's context
     /// limit from settings applies.
     pub fn limits_now(&self) -> Limits {

@@ -133,17 +133,13 @@ struct GenerateBody {
     keep_alive: Option<Value>,
 }
 
-/// The served model under Ollama's names: its id, `id:tag` (any tag: one model is served),
-/// or `default`. Anything else is a 404 naming what is served.
-fn check_model(state: &AppState, requested: &str) -> Result<()> {
-    let name = requested.split_once(':').map_or(requested, |(name, _)| name);
+/// The served model under Ollama's names: its id, `id:tag` (any tag names it), or `default`.
+/// Anything else is a 404 naming what is served.
+fn check_model(state: &Arc<AppState>, requested: &str) -> Result<Arc<AppState>> {
     if requested.is_empty() {
-        return Err(ApiError::invalid("model", format!("model is required; this server serves {:?}", state.model_id)).into());
+        return Err(ApiError::invalid("model", format!("model is required; this server serves {}", state.served_names())).into());
     }
-    if name == state.model_id || name == "default" {
-        return Ok(());
-    }
-    Err(ApiError::not_found("model_not_found", format!("model {requested:?} not found; this server serves {:?} (GET /api/tags)", state.model_id)).into())
+    state.for_model(requested).map_err(|_| ApiError::not_found("model_not_found", format!("model {requested:?} not found; this server serves {} (GET /api/tags)", state.served_names())).into())
 }
 
 /// Reads a request's `keep_alive` (400 naming the forms when it is none of them). Ollama's
@@ -316,20 +312,28 @@ fn model_name(state: &AppState) -> String {
 
 #[utoipa::path(get, path = "/api/tags", tag = "ollama", description = "Ollama's model list: the served model as `name:latest`, its size and details.", responses((status = 200, description = "`{\"models\": [...]}`")))]
 pub(crate) async fn tags(State(state): Shared) -> Json<Value> {
-    let modified = std::fs::metadata(&state.bundle.path).and_then(|m| m.modified()).map(rfc3339).unwrap_or_else(|_| created_at());
-    Json(json!({"models": [{
-        "name": model_name(&state),
-        "model": model_name(&state),
-        "modified_at": modified,
-        "size": state.bundle.weight_file_bytes,
-        "digest": state.bundle.short_hash(),
-        "details": details(&state),
-    }]}))
+    let models: Vec<Value> = state.served().iter().map(|state| {
+        let modified = std::fs::metadata(&state.bundle.path).and_then(|m| m.modified()).map(rfc3339).unwrap_or_else(|_| created_at());
+        json!({
+            "name": model_name(state),
+            "model": model_name(state),
+            "modified_at": modified,
+            "size": state.bundle.weight_file_bytes,
+            "digest": state.bundle.short_hash(),
+            "details": details(state),
+        })
+    }).collect();
+    Json(json!({"models": models}))
 }
 
 /// The loaded model, with the device it runs on and the bytes it holds there and on the host.
 #[utoipa::path(get, path = "/api/ps", tag = "ollama", description = "Ollama's loaded models: the served model, its VRAM and host bytes, and in `headroom` the device it runs on and whether it is degraded.", responses((status = 200, description = "`{\"models\": [...]}`")))]
 pub(crate) async fn ps(State(state): Shared) -> Json<Value> {
+    Json(json!({"models": state.served().iter().map(|s| loaded_model(s)).collect::<Vec<_>>()}))
+}
+
+/// One model as `/api/ps` lists it.
+fn loaded_model(state: &AppState) -> Value {
     let status = state.dispatcher.status();
     let gpu = status.workers.iter().find(|w| w.lane == headroom_router::Lane::Gpu);
     let residency = status.gpu_residency.as_ref();
@@ -341,7 +345,7 @@ pub(crate) async fn ps(State(state): Shared) -> Json<Value> {
         .and_then(|r| r.unloads_in_ms)
         .map(|ms| rfc3339(std::time::SystemTime::now() + std::time::Duration::from_millis(ms)))
         .unwrap_or_else(|| "0001-01-01T00:00:00Z".into());
-    Json(json!({"models": [{
+    json!({
         "name": model_name(&state),
         "model": model_name(&state),
         "size": state.bundle.cpu_weight_bytes + vram,
@@ -357,7 +361,7 @@ pub(crate) async fn ps(State(state): Shared) -> Json<Value> {
             "degraded_summary": status.degradation.as_ref().map(|d| &d.summary),
             "workers": status.workers.iter().map(|w| json!({"kind": w.lane.to_string(), "device": w.device.label(), "state": w.state.to_string()})).collect::<Vec<_>>(),
         },
-    }]}))
+    })
 }
 
 #[derive(Deserialize)]
@@ -371,7 +375,7 @@ struct ShowBody {
     responses((status = 200, description = "The details"), (status = 400, description = "Invalid request: `{\"error\": ...}`"), (status = 404, description = "Not the served model: `{\"error\": ...}`")))]
 pub(crate) async fn show(State(state): Shared, body: std::result::Result<Bytes, BytesRejection>) -> Result<Json<Value>> {
     let (request, _): (ShowBody, Bytes) = parse_body(body)?;
-    check_model(&state, &request.model)?;
+    let state = check_model(&state, &request.model)?;
     let config = &state.bundle.config;
     let arch = config.model_type.clone();
     Ok(Json(json!({
@@ -399,7 +403,7 @@ pub(crate) async fn show(State(state): Shared, body: std::result::Result<Bytes, 
 pub(crate) async fn chat(State(state): Shared, headers: HeaderMap, body: std::result::Result<Bytes, BytesRejection>) -> Result<Response> {
     let started = Instant::now();
     let (request, raw): (ChatBody, Bytes) = parse_body(body)?;
-    check_model(&state, &request.model)?;
+    let state = check_model(&state, &request.model)?;
     check_format(&request.format)?;
     // Ollama's clients send `tools: []` when there are none.
     if request.tools.as_ref().is_some_and(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty())) {
@@ -413,6 +417,7 @@ pub(crate) async fn chat(State(state): Shared, headers: HeaderMap, body: std::re
         keep_alive.inspect(|k| state.dispatcher.set_keep_alive(*k));
         return Ok(load_or_unload(&state, keep_alive, Shape::Chat, started).await);
     }
+    state.check_role(crate::Role::Chat)?;
     let mut messages = Vec::with_capacity(request.messages.len());
     for (i, m) in request.messages.iter().enumerate() {
         if m.get("images").is_some_and(|v| !v.is_null() && v.as_array().is_none_or(|a| !a.is_empty())) {
@@ -434,7 +439,7 @@ pub(crate) async fn chat(State(state): Shared, headers: HeaderMap, body: std::re
 pub(crate) async fn generate(State(state): Shared, headers: HeaderMap, body: std::result::Result<Bytes, BytesRejection>) -> Result<Response> {
     let started = Instant::now();
     let (request, raw): (GenerateBody, Bytes) = parse_body(body)?;
-    check_model(&state, &request.model)?;
+    let state = check_model(&state, &request.model)?;
     check_format(&request.format)?;
     if request.images.as_ref().is_some_and(|i| !i.is_empty()) {
         return Err(ApiError::invalid("images", "images were sent: this model reads text only").into());
@@ -444,6 +449,7 @@ pub(crate) async fn generate(State(state): Shared, headers: HeaderMap, body: std
         keep_alive.inspect(|k| state.dispatcher.set_keep_alive(*k));
         return Ok(load_or_unload(&state, keep_alive, Shape::Generate, started).await);
     }
+    state.check_role(crate::Role::Chat)?;
     let stream = request.stream.unwrap_or(true);
     let mut openai_body = Map::new();
     let limits = translate_options(request.options, &state.limits_now(), stream, &mut openai_body)?;
@@ -483,7 +489,8 @@ struct EmbedBody {
 pub(crate) async fn embed(State(state): Shared, headers: HeaderMap, body: std::result::Result<Bytes, BytesRejection>) -> Result<Response> {
     let started = Instant::now();
     let (request, raw): (EmbedBody, Bytes) = parse_body(body)?;
-    check_model(&state, &request.model)?;
+    let state = check_model(&state, &request.model)?;
+    state.check_role(crate::Role::Embedding)?;
     let Some(input) = request.input.as_ref() else {
         return Err(ApiError::invalid("input", "input is required: a string or an array of strings").into());
     };
@@ -521,7 +528,8 @@ struct EmbeddingsBody {
     responses((status = 200, description = "`{\"embedding\": [...]}`"), (status = 400, description = "Invalid request: `{\"error\": ...}`"), (status = 404, description = "Not the served model"), (status = 503, description = "No capacity now: see Retry-After")))]
 pub(crate) async fn embeddings(State(state): Shared, headers: HeaderMap, body: std::result::Result<Bytes, BytesRejection>) -> Result<Response> {
     let (request, raw): (EmbeddingsBody, Bytes) = parse_body(body)?;
-    check_model(&state, &request.model)?;
+    let state = check_model(&state, &request.model)?;
+    state.check_role(crate::Role::Embedding)?;
     let Some(prompt) = request.prompt else {
         return Err(ApiError::invalid("prompt", "prompt is required: the text to embed").into());
     };

@@ -535,6 +535,9 @@ pub struct ModelDetails {
     /// unloaded after its keep_alive), `unloaded` (installed, not served).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub state: Option<String>,
+    /// A served model's role: `chat` or `embedding`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
     /// Bytes of weights each device holds now (`gpu`, `cpu`), as the workers report them.
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Object>)]

@@ -198,6 +198,8 @@ fn tool_calls(state: &AppState, c: &Completion, tools: bool) -> Result<(String, 
 )]
 async fn chat_completions(State(state): Shared, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let (request, raw): (ChatCompletionRequest, Bytes) = parse_body(body)?;
+    let state = state.for_model(&request.model)?;
+    state.check_role(crate::Role::Chat)?;
     let prepared = openai::prepare_chat(&state.bundle, &state.model_id, &state.limits_now(), &request)?;
     serve(state, &headers, &raw, prepared, Kind::Chat).await
 }
@@ -214,6 +216,8 @@ async fn chat_completions(State(state): Shared, headers: HeaderMap, body: Result
 )]
 async fn completions(State(state): Shared, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let (request, raw): (CompletionRequest, Bytes) = parse_body(body)?;
+    let state = state.for_model(&request.model)?;
+    state.check_role(crate::Role::Chat)?;
     let prepared = openai::prepare_completion(&state.bundle, &state.model_id, &state.limits_now(), &request)?;
     serve(state, &headers, &raw, prepared, Kind::Text).await
 }
@@ -230,7 +234,8 @@ async fn completions(State(state): Shared, headers: HeaderMap, body: Result<Byte
 )]
 async fn embeddings(State(state): Shared, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let (request, raw): (EmbeddingRequest, Bytes) = parse_body(body)?;
-    openai::check_model(&request.model, &state.model_id)?;
+    let state = state.for_model(&request.model)?;
+    state.check_role(crate::Role::Embedding)?;
     let base64 = embeddings::check_openai(&request, state.bundle.config.hidden_size)?;
     let texts = embeddings::texts(&request.input, "input")?;
     let ask = embeddings::Ask { field: "input", texts, truncate: false, limit: state.limits_now().context_tokens, options: request.headroom.clone().unwrap_or_default() };
@@ -440,6 +445,7 @@ fn served_model_details(state: &AppState) -> openai::ModelDetails {
         resident_bytes_per_worker: Some(bundle.cpu_weight_bytes),
         context_tokens: Some(config.max_position_embeddings as u64),
         state: None,
+        role: Some(state.role.as_str().into()),
         resident_bytes: None,
         last_used_unix_ms: None,
     }
@@ -473,13 +479,15 @@ fn served_model_now(state: &AppState) -> openai::ModelDetails {
     }
 }
 
-/// The served model first, with what it is; then the other models installed in the models folder.
-fn model_cards(state: &AppState) -> Vec<openai::ModelCard> {
-    let bundle = &state.bundle;
+/// The served models first, with what each is and where it is loaded; then the other models
+/// installed in the models folder.
+fn model_cards(state: &Arc<AppState>) -> Vec<openai::ModelCard> {
     let card = |id: String, headroom: openai::ModelDetails| openai::ModelCard { id, object: "model".into(), created: state.created_unix, owned_by: "headroom".into(), headroom };
-    let mut cards = vec![card(state.model_id.clone(), served_model_now(state))];
+    let served = state.served();
+    let mut cards: Vec<openai::ModelCard> = served.iter().map(|m| card(m.model_id.clone(), served_model_now(m))).collect();
+    let served_paths: Vec<_> = served.iter().filter_map(|m| m.bundle.path.canonicalize().ok()).collect();
     for path in headroom_model::bundle::installed_models() {
-        if path.canonicalize().ok() == bundle.path.canonicalize().ok() {
+        if path.canonicalize().ok().is_some_and(|p| served_paths.contains(&p)) {
             continue;
         }
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
@@ -498,6 +506,7 @@ fn model_cards(state: &AppState) -> Vec<openai::ModelCard> {
                 resident_bytes_per_worker: None,
                 context_tokens: None,
                 state: Some("unloaded".into()),
+                role: None,
                 resident_bytes: None,
                 last_used_unix_ms: None,
             },
@@ -519,6 +528,7 @@ async fn models(State(state): Shared) -> Json<ModelList> {
     responses((status = 200, description = "The request's journal record and history", body = Object), (status = 404, description = "Unknown id", body = ErrorBody))
 )]
 async fn request_status(State(state): Shared, Path(id): Path<String>) -> Result<Response, ApiError> {
+    let state = owner_of(&state, &id);
     let journal = state.dispatcher.journal();
     let record = journal.get(&id)?;
     let transitions = journal.transitions(&id)?;
@@ -534,6 +544,13 @@ async fn request_status(State(state): Shared, Path(id): Path<String>) -> Result<
     Ok(response)
 }
 
+/// The served model whose journal holds request `id` (each model keeps its own); the first
+/// model when none does, which answers the 404.
+fn owner_of(state: &Arc<AppState>, id: &str) -> Arc<AppState> {
+    let served = state.served();
+    served.iter().find(|m| m.dispatcher.journal().get(id).is_ok()).cloned().unwrap_or_else(|| state.clone())
+}
+
 #[derive(Serialize, ToSchema)]
 pub struct CancelBody {
     pub id: String,
@@ -547,6 +564,7 @@ pub struct CancelBody {
     responses((status = 200, description = "Cancelled, or already ended", body = CancelBody), (status = 404, description = "Unknown id", body = ErrorBody))
 )]
 async fn cancel_request(State(state): Shared, Path(id): Path<String>) -> Result<Response, ApiError> {
+    let state = owner_of(&state, &id);
     let outcome = state.dispatcher.cancel(&id)?;
     let (cancelled, s) = match outcome {
         CancelOutcome::Cancelled => (true, "cancelling".to_string()),
@@ -607,9 +625,15 @@ pub struct StatusBody {
     /// force (`"5m"`, `"-1"` = never), `unloads_in_ms` while loaded and idle, `idle_ms`.
     #[schema(value_type = Option<Object>)]
     pub gpu_residency: Option<Value>,
+    /// Every served model (the first is the one this status describes): `id`, `role`, where it
+    /// is loaded now (`state`: gpu, split, cpu), the bytes each device holds, its last use and
+    /// its GPU residency. Several models share one GPU: admission for each counts the others,
+    /// and evicts idle ones (not pinned) before sending a request to the CPU.
+    #[schema(value_type = Vec<Object>)]
+    pub models: Vec<Value>,
 }
 
-fn status_body(state: &AppState) -> StatusBody {
+fn status_body(state: &Arc<AppState>) -> StatusBody {
     let s = state.dispatcher.status();
     let breaker = serde_json::to_value(s.breaker).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
     let workers = s
@@ -666,6 +690,21 @@ fn status_body(state: &AppState) -> StatusBody {
             value
         }),
         gpu_residency: s.gpu_residency.as_ref().and_then(|r| serde_json::to_value(r).ok()),
+        models: state
+            .served()
+            .iter()
+            .map(|m| {
+                let now = served_model_now(m);
+                json!({
+                    "id": m.model_id,
+                    "role": m.role.as_str(),
+                    "state": now.state,
+                    "resident_bytes": now.resident_bytes,
+                    "last_used_unix_ms": now.last_used_unix_ms,
+                    "gpu_residency": m.dispatcher.supervisor().gpu_residency(),
+                })
+            })
+            .collect(),
     }
 }
 

@@ -92,6 +92,43 @@ fn worker_options(device: Device, args: WorkerArgs) -> WorkerOptions {
     options
 }
 
+/// One served model, as `[[models]]` in the config file gives it (or `--model`).
+#[derive(Debug, Clone, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelEntry {
+    /// `default`, a .gguf file, a Hugging Face folder, or a name in the models folder.
+    pub source: String,
+    /// `chat` (the default) or `embedding`.
+    #[serde(default)]
+    pub role: headroom_server::Role,
+    /// This model's keep_alive (default: `[memory] keep_alive`).
+    #[serde(default)]
+    pub keep_alive: Option<headroom_memory::KeepAlive>,
+    /// Loaded at start and never evicted to make room for another model.
+    #[serde(default)]
+    pub pin: bool,
+}
+
+impl ModelEntry {
+    fn named(source: &str) -> Self {
+        Self { source: source.to_string(), role: Default::default(), keep_alive: None, pin: false }
+    }
+}
+
+/// The models to serve: the `--model` flags, then `[[models]]`; only `[[models]]` when the flag
+/// was left at its default and the file lists some.
+fn model_entries(flags: &[String], text: &str) -> Result<Vec<ModelEntry>> {
+    let listed: Vec<ModelEntry> = headroom_router::config_table(text, "models").map_err(|e| anyhow::anyhow!("{e}: each [[models]] takes source, role (chat or embedding), keep_alive, pin"))?;
+    let flagged: Vec<ModelEntry> = flags.iter().filter(|m| !m.trim().is_empty()).map(|m| ModelEntry::named(m.trim())).collect();
+    let defaulted = flagged.len() == 1 && flagged[0].source == "default";
+    let mut entries = if defaulted && !listed.is_empty() { Vec::new() } else { flagged };
+    entries.extend(listed);
+    if entries.is_empty() {
+        entries.push(ModelEntry::named("default"));
+    }
+    Ok(entries)
+}
+
 /// Ollama's default port: where `OLLAMA_HOST` without a port points.
 pub const OLLAMA_PORT: u16 = 11434;
 
@@ -182,9 +219,12 @@ pub struct ServeOptions {
     #[arg(long, env = "HEADROOM_PORT")]
     pub port: Option<u16>,
     /// `default` (SmolLM2-135M-Instruct, Q4_1), a .gguf file, a Hugging Face folder, or the name of a
-    /// model in the models folder (`kjv-demo`: the 4M-parameter test fixture).
-    #[arg(long, env = "HEADROOM_MODEL", default_value = "default")]
-    pub model: String,
+    /// model in the models folder (`kjv-demo`: the 4M-parameter test fixture). Repeat it (or
+    /// separate with commas) to serve several models on one GPU; the first is loaded at start,
+    /// the others at their first request. `[[models]]` in the config file adds models with a
+    /// role, keep_alive and pin.
+    #[arg(long = "model", env = "HEADROOM_MODEL", value_delimiter = ',', default_value = "default")]
+    pub model: Vec<String>,
     #[arg(long, value_enum, env = "HEADROOM_GPU", default_value_t = GpuChoice::Auto)]
     pub gpu: GpuChoice,
     /// Simulated VRAM of `--gpu sim`.
@@ -383,7 +423,9 @@ pub async fn run(
         settings.vram_reserve_mib = Some(mib);
     }
 
-    let model_dir = resolve_model(&args.model);
+    let entries = model_entries(&args.model, &text).map_err(|e| in_file(&e))?;
+    let primary = entries[0].clone();
+    let model_dir = resolve_model(&primary.source);
     let bundle = ModelBundle::open(&model_dir).with_context(|| format!("cannot open the model folder {}", model_dir.display()))?;
     let mut gpu = gpu_worker(args.gpu, args.sim_vram_mib, settings.gpu_device)?;
     match gpu.as_mut() {
@@ -429,12 +471,15 @@ pub async fn run(
 
     {
         let backend = headroom_memory::calibration::backend_key(&gpu.as_ref().map(|g| g.device.label()).unwrap_or_else(|| "cpu".into()));
+        let other_gpu = gpu.clone();
+        let other_cpu = cpu.clone();
+        let other_supervision = supervision.clone();
         let mut config = SupervisorConfig::new(std::env::current_exe()?, model_dir.clone(), gpu);
         config.cpu = cpu;
         config.cpu_fallback_model_dir = settings.fallback_model.clone();
         config.supervision = supervision;
         config.gpu_paused = settings.gpu_paused;
-        config.keep_alive = memory.keep_alive;
+        config.keep_alive = primary.keep_alive.unwrap_or(memory.keep_alive);
         config.placement = placement;
         config.replan = layer_placement.filter(|_| config.gpu.is_some()).map(|placer| headroom_router::LayerPlanner(Arc::new(move |room| placer.plan(room))));
         eprintln!("headroom: starting workers for {} ({})", bundle.name(), bundle.short_hash());
@@ -447,7 +492,7 @@ pub async fn run(
         }
         let journal_path = data_dir.join("journal.sqlite");
         let journal = Journal::open(&journal_path)?;
-        let (dispatcher, recovered) = Dispatcher::start(supervisor.clone(), journal, planner, memory, queues, settings, Some(settings_file))?;
+        let (dispatcher, recovered) = Dispatcher::start(supervisor.clone(), journal, planner, memory.clone(), queues.clone(), settings.clone(), Some(settings_file))?;
         let rerun = recovered.iter().filter(|r| matches!(r, Recovery::Rerun(_))).count();
         if !recovered.is_empty() {
             eprintln!(
@@ -457,11 +502,56 @@ pub async fn run(
             );
         }
         let model_id = bundle.name();
+        let limits = Limits { context_tokens: bundle.config.max_position_embeddings, default_max_tokens: server.default_max_tokens };
+        let bundle = Arc::new(bundle);
+        let mut served = vec![headroom_server::ServedModel { dispatcher: dispatcher.clone(), bundle: bundle.clone(), model_id: model_id.clone(), limits: limits.clone(), role: primary.role }];
+        // The other models: their own workers on the same GPU (loaded at their first request
+        // unless pinned) and their own journals; one GPU budget for all.
+        let share = headroom_router::GpuShare::new();
+        if entries.len() > 1 {
+            dispatcher.share_gpu(&share, &model_id, primary.pin);
+        }
+        let mut supervisors = vec![supervisor.clone()];
+        for entry in &entries[1..] {
+            let dir = resolve_model(&entry.source);
+            let other = ModelBundle::open(&dir).with_context(|| format!("cannot open the model {} ({}) of [[models]]", entry.source, dir.display()))?;
+            let id = other.name();
+            if served.iter().any(|m| m.model_id == id) {
+                bail!("the model {id} is listed twice (--model and [[models]]); list each model once");
+            }
+            let mut config = SupervisorConfig::new(std::env::current_exe()?, dir.clone(), other_gpu.clone());
+            config.cpu = other_cpu.clone();
+            config.supervision = other_supervision.clone();
+            config.gpu_paused = settings.gpu_paused;
+            config.keep_alive = entry.keep_alive.unwrap_or(memory.keep_alive);
+            config.gpu_at_start = entry.pin;
+            eprintln!("headroom: starting workers for {} ({}, {}{})", id, other.short_hash(), entry.role.as_str(), if entry.pin { ", pinned" } else { "" });
+            let other_supervisor = Supervisor::start(config).await.with_context(|| format!("cannot start the workers of {id}"))?;
+            let (planner, _) = headroom_memory::planner_for(&other, backend, memory.clone());
+            let journal = Journal::open(&data_dir.join(format!("journal-{id}.sqlite")))?;
+            // Settings changed in the UI apply to the first model's workers; these keep the
+            // ones in force at start.
+            let (other_dispatcher, recovered) = Dispatcher::start(other_supervisor.clone(), journal, planner, memory.clone(), queues.clone(), settings.clone(), None)?;
+            if !recovered.is_empty() {
+                eprintln!("headroom: {id}: the journal held {} unfinished requests from the last run", recovered.len());
+            }
+            other_dispatcher.share_gpu(&share, &id, entry.pin);
+            served.push(headroom_server::ServedModel {
+                dispatcher: other_dispatcher,
+                limits: Limits { context_tokens: other.config.max_position_embeddings, default_max_tokens: server.default_max_tokens },
+                bundle: Arc::new(other),
+                model_id: id,
+                role: entry.role,
+            });
+            supervisors.push(other_supervisor);
+        }
         let state = Arc::new(AppState {
             dispatcher: dispatcher.clone(),
-            limits: Limits { context_tokens: bundle.config.max_position_embeddings, default_max_tokens: server.default_max_tokens },
-            bundle: Arc::new(bundle),
+            limits,
+            bundle,
             model_id: model_id.clone(),
+            role: primary.role,
+            models: Arc::new(served.clone()),
             api_key,
             sim_faults: args.gpu == GpuChoice::Sim,
             created_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
@@ -500,11 +590,16 @@ pub async fn run(
                 }
             }
         }
-        let left = dispatcher.drain(grace).await;
+        let mut left = 0;
+        for m in &served {
+            left += m.dispatcher.drain(grace).await;
+        }
         if left > 0 {
             eprintln!("headroom: {left} requests still running are left in the journal; the next start re-runs them");
         }
-        supervisor.shutdown().await;
+        for s in supervisors {
+            s.shutdown().await;
+        }
         Ok(())
     }
 }

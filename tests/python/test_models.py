@@ -1,0 +1,84 @@
+"""Several models in one `headroom serve` on one sim GPU: a chat model and an embedding model
+(a copy of the 4M fixture under another name), on a GPU that holds one of them at a time. Each
+request names its model; the other one is evicted to make room and loads again when asked for;
+a request of the wrong kind for a model, or for a model not served, gets a clear 4xx."""
+
+import shutil
+
+import pytest
+
+from conftest import ROOT, Server, httpx
+
+# 24 MiB of sim VRAM and no reserve: one 15 MiB model and its requests fit, two models do not.
+CONFIG = """
+[memory]
+vram_reserve_mib = 0
+split_min_context_tokens = 64
+
+[[models]]
+source = "{embedder}"
+role = "embedding"
+"""
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory):
+    embedder = tmp_path_factory.mktemp("models") / "kjv-embed"
+    shutil.copytree(ROOT / "models" / "kjv-demo", embedder)
+    server = Server("--gpu", "sim", "--sim-vram-mib", "24", config=CONFIG.format(embedder=embedder)).start()
+    yield server
+    server.stop()
+
+
+def chat(url, model):
+    return httpx.post(url + "/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "And God said"}], "max_tokens": 8}, timeout=120)
+
+
+def embed(url, model):
+    return httpx.post(url + "/v1/embeddings", json={"model": model, "input": "In the beginning"}, timeout=120)
+
+
+def where(server):
+    """Each served model's state now: gpu or cpu (only its CPU worker holds it)."""
+    return {m["id"]: m["state"] for m in server.status()["models"]}
+
+
+def test_models_are_listed_with_their_role_and_where_they_are(two_models):
+    cards = httpx.get(two_models.url + "/v1/models", timeout=10).json()["data"]
+    assert [c["id"] for c in cards[:2]] == ["kjv-demo", "kjv-embed"]
+    assert [c["headroom"]["role"] for c in cards[:2]] == ["chat", "embedding"]
+    assert cards[0]["headroom"]["state"] == "gpu", "the first model loads at start"
+    tags = [m["name"] for m in httpx.get(two_models.url + "/api/tags", timeout=10).json()["models"]]
+    assert tags == ["kjv-demo:latest", "kjv-embed:latest"]
+
+
+def test_each_model_takes_the_gpu_in_turn_by_evicting_the_idle_other(two_models):
+    r = embed(two_models.url, "kjv-embed")
+    assert r.status_code == 200, r.text
+    assert r.headers["x-headroom-device"] == "sim", "the chat model made way"
+    assert r.json()["data"][0]["headroom"]["degraded"] is False
+    assert where(two_models) == {"kjv-demo": "cpu", "kjv-embed": "gpu"}
+    r = chat(two_models.url, "kjv-demo")
+    assert r.status_code == 200, r.text
+    assert r.headers["x-headroom-device"] == "sim"
+    assert r.json()["headroom"]["degraded"] is False
+    assert where(two_models) == {"kjv-demo": "gpu", "kjv-embed": "cpu"}
+    ollama = httpx.post(two_models.url + "/api/embed", json={"model": "kjv-embed:latest", "input": ["a", "b"]}, timeout=120)
+    assert ollama.status_code == 200, ollama.text
+    assert len(ollama.json()["embeddings"]) == 2
+    # A request's id finds its model's journal.
+    rid = r.headers["x-request-id"]
+    assert httpx.get(two_models.url + f"/v1/requests/{rid}", timeout=10).json()["state"] == "completed"
+
+
+def test_wrong_kind_or_unknown_model_is_a_clear_error(two_models):
+    r = chat(two_models.url, "kjv-embed")
+    assert r.status_code == 400 and "is an embedding model" in r.json()["error"]["message"], r.text
+    r = embed(two_models.url, "kjv-demo")
+    assert r.status_code == 400 and 'embeddings are served by "kjv-embed"' in r.json()["error"]["message"], r.text
+    for name in ["llama3", "../models/kjv-demo", "/etc/passwd"]:
+        r = chat(two_models.url, name)
+        assert r.status_code == 404, r.text
+        assert '"kjv-demo", "kjv-embed"' in r.json()["error"]["message"], r.text
+    r = httpx.post(two_models.url + "/api/chat", json={"model": "kjv-embed", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+    assert r.status_code == 400 and "embedding model" in r.json()["error"], r.text
