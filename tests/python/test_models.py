@@ -3,7 +3,10 @@
 request names its model; the other one is evicted to make room and loads again when asked for;
 a request of the wrong kind for a model, or for a model not served, gets a clear 4xx."""
 
+import json
+import re
 import shutil
+import threading
 
 import pytest
 
@@ -52,12 +55,48 @@ def test_models_are_listed_with_their_role_and_where_they_are(two_models):
     assert tags == ["kjv-demo:latest", "kjv-embed:latest"]
 
 
+def watch_events(url, until_event, seen, subscribed):
+    """Reads /v1/events into `seen` until an event named `until_event` arrives (or the server
+    closes the stream, which the test's assertion then reports)."""
+    try:
+        with httpx.stream("GET", url + "/v1/events", timeout=60) as stream:
+            name = None
+            for line in stream.iter_lines():
+                if line.startswith("event:"):
+                    name = line[6:].strip()
+                elif line.startswith("data:") and name:
+                    seen.append((name, json.loads(line[5:])))
+                    # The stream opens with a status: from here on nothing is missed.
+                    subscribed.set()
+                    if name == until_event:
+                        return
+    except httpx.HTTPError:
+        pass
+
+
+def metric(url, name, **labels):
+    text = httpx.get(url + "/metrics", timeout=10).text
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    m = re.search(rf"^{name}\{{{want}\}} (\d+)$", text, re.M)
+    return int(m.group(1)) if m else None
+
+
 def test_each_model_takes_the_gpu_in_turn_by_evicting_the_idle_other(two_models):
+    seen, subscribed = [], threading.Event()
+    watcher = threading.Thread(target=watch_events, args=(two_models.url, "gpu_model_unloaded", seen, subscribed), daemon=True)
+    watcher.start()
+    assert subscribed.wait(timeout=30)
     r = embed(two_models.url, "kjv-embed")
     assert r.status_code == 200, r.text
     assert r.headers["x-headroom-device"] == "sim", "the chat model made way"
     assert r.json()["data"][0]["headroom"]["degraded"] is False
     assert where(two_models) == {"kjv-demo": "cpu", "kjv-embed": "gpu"}
+    watcher.join(timeout=30)
+    evicted = [e for name, e in seen if name == "gpu_model_unloaded"]
+    assert evicted and evicted[0]["model"] == "kjv-demo" and "evicted to make room for kjv-embed" in evicted[0]["reason"], seen[-5:]
+    assert metric(two_models.url, "headroom_model_loaded_on_gpu", model="kjv-embed", role="embedding") == 1
+    assert metric(two_models.url, "headroom_model_loaded_on_gpu", model="kjv-demo", role="chat") == 0
+    assert metric(two_models.url, "headroom_model_gpu_unloads_total", model="kjv-demo") == 1
     r = chat(two_models.url, "kjv-demo")
     assert r.status_code == 200, r.text
     assert r.headers["x-headroom-device"] == "sim"

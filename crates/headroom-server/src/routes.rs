@@ -779,16 +779,29 @@ fn check_gpu_layers(state: &AppState, patch: &Value) -> Result<(), ApiError> {
 #[utoipa::path(get, path = "/v1/events", description = "Server-sent service events (breaker, degraded, workers, failovers, memory samples, queue depth), one JSON object each, named by their `event` field.", responses((status = 200, description = "text/event-stream")))]
 async fn events(State(state): Shared) -> Sse<impl futures_util::Stream<Item = Result<Event, Infallible>>> {
     let first = Event::default().event("status").data(serde_json::to_string(&status_body(&state)).unwrap_or_default());
-    let live = BroadcastStream::new(state.dispatcher.subscribe()).map(|e| {
-        Ok(match e {
-            Ok(event) => {
-                let value = serde_json::to_value(&event).unwrap_or_default();
-                let name = value["event"].as_str().unwrap_or("event").to_string();
-                Event::default().event(name).data(value.to_string())
-            }
-            Err(tokio_stream::wrappers::errors::BroadcastStreamRecvError::Lagged(n)) => Event::default().event("lagged").data(json!({"missed": n}).to_string()),
+    // Every served model's events, each with its `model`; of the models beside the first, the
+    // lifecycle ones (loads, evictions, workers, failovers, breaker, degraded), not their memory
+    // samples and queue depths, which the status and the UI's chart describe for the first.
+    let streams = state.served().into_iter().enumerate().map(|(i, m)| {
+        let model = m.model_id.clone();
+        BroadcastStream::new(m.dispatcher.subscribe()).filter_map(move |e| {
+            let event = match e {
+                Ok(event) => {
+                    let mut value = serde_json::to_value(&event).unwrap_or_default();
+                    let name = value["event"].as_str().unwrap_or("event").to_string();
+                    if i > 0 && (name == "memory_sample" || name == "queue_changed") {
+                        None
+                    } else {
+                        value["model"] = json!(model);
+                        Some(Event::default().event(name).data(value.to_string()))
+                    }
+                }
+                Err(tokio_stream::wrappers::errors::BroadcastStreamRecvError::Lagged(n)) => Some(Event::default().event("lagged").data(json!({"missed": n, "model": model}).to_string())),
+            };
+            std::future::ready(event.map(Ok))
         })
     });
+    let live = futures_util::stream::select_all(streams.map(Box::pin));
     Sse::new(futures_util::stream::once(async { Ok(first) }).chain(live)).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
 }
 
@@ -821,7 +834,33 @@ async fn readyz(State(state): Shared) -> Response {
 
 #[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text exposition")))]
 async fn metrics(State(state): Shared) -> Response {
-    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], state.dispatcher.metrics_text()).into_response()
+    let text = state.dispatcher.metrics_text();
+    // Per served model (several share the GPU), before the exposition's end marker.
+    let body = match text.strip_suffix("# EOF\n") {
+        Some(head) => format!("{head}{}# EOF\n", model_metrics(&state)),
+        None => text,
+    };
+    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], body).into_response()
+}
+
+/// Each served model's residency in Prometheus text: whether the GPU holds it, the weight
+/// bytes each device holds, and its GPU unloads (keep_alive and evictions), with a `model` label.
+fn model_metrics(state: &Arc<AppState>) -> String {
+    let label = |s: &str| s.replace('\\', "\\\\").replace('"', "\\\"");
+    let mut loaded = String::from("# HELP headroom_model_loaded_on_gpu 1 while the GPU holds the model (several models share one GPU; idle ones are evicted for others)\n# TYPE headroom_model_loaded_on_gpu gauge\n");
+    let mut resident = String::from("# HELP headroom_model_resident_bytes Weight bytes of the model each device holds now\n# TYPE headroom_model_resident_bytes gauge\n");
+    let mut unloads = String::from("# HELP headroom_model_gpu_unloads Times the GPU's copy of the model was unloaded (keep_alive) or evicted for another model\n# TYPE headroom_model_gpu_unloads counter\n");
+    for m in state.served() {
+        let now = served_model_now(&m);
+        let model = label(&m.model_id);
+        let on_gpu = matches!(now.state.as_deref(), Some("gpu") | Some("split"));
+        loaded.push_str(&format!("headroom_model_loaded_on_gpu{{model=\"{model}\",role=\"{}\"}} {}\n", m.role.as_str(), u8::from(on_gpu)));
+        for (device, bytes) in now.resident_bytes.unwrap_or_default() {
+            resident.push_str(&format!("headroom_model_resident_bytes{{model=\"{model}\",device=\"{}\"}} {bytes}\n", label(&device)));
+        }
+        unloads.push_str(&format!("headroom_model_gpu_unloads_total{{model=\"{model}\"}} {}\n", m.dispatcher.gpu_model_unloads()));
+    }
+    format!("{loaded}{resident}{unloads}")
 }
 
 async fn openapi() -> Json<utoipa::openapi::OpenApi> {

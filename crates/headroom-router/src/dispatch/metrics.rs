@@ -65,6 +65,11 @@ impl Dispatcher {
         m.encode()
     }
 
+    /// Times this model's GPU copy was unloaded (keep_alive) or evicted for another model.
+    pub fn gpu_model_unloads(&self) -> u64 {
+        self.inner.metrics.gpu_model_unloads.get()
+    }
+
     pub(super) fn count_end(&self, device: &str, outcome: &str) {
         self.inner.metrics.requests.get_or_create(&OutcomeLabels { device: device.into(), outcome: outcome.into() }).inc();
     }
