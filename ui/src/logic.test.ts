@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { apiEndpoints, applyChunk, cpuKvLine, gpuKvLine, tokenCount, workerLines, countdown, replyTiming, axisRange, degradedSpans, formatMiB, emptyReply, formatDelay, MemoryHistory, modelLine, placementLine, settingsForm, settingsPatch, splitSse, statusView } from "./logic";
+import { apiEndpoints, applyChunk, cpuKvLine, gpuKvLine, tokenCount, workerLines, countdown, replyTiming, axisRange, degradedSpans, formatMiB, emptyReply, formatDelay, MemoryHistory, modelLine, modelRows, placementLine, settingsForm, settingsPatch, splitSse, statusView } from "./logic";
 
 const gpuWorker = { kind: "gpu", device: "sim", state: "ready", simulated: true };
 const cpuWorker = { kind: "cpu", device: "cpu", state: "ready", simulated: false };
@@ -299,5 +299,21 @@ describe("workers side by side", () => {
   it("says on the reply when a fallback model answered", () => {
     const r = applyChunk(emptyReply(), { choices: [], headroom: { device: "cpu", degraded: true, fallback_model: "kjv-small", failovers: [] } });
     expect(r.fallbackModel).toBe("kjv-small");
+  });
+});
+
+describe("models", () => {
+  it("lists each served model with its role, where it is loaded, its bytes and last use", () => {
+    const status = {
+      models: [
+        { id: "chat", role: "chat", state: "gpu", resident_bytes: { gpu: 512 * 1048576, cpu: 98 * 1048576 }, last_used_unix_ms: 90_000 },
+        { id: "embed", role: "embedding", state: "cpu", resident_bytes: { cpu: 30 * 1048576 }, last_used_unix_ms: null },
+      ],
+    };
+    expect(modelRows(status, 102_000)).toEqual([
+      { id: "chat", role: "chat", where: "GPU", gpu: "512 MiB", cpu: "98 MiB", lastUsed: "12 s ago" },
+      { id: "embed", role: "embedding", where: "CPU only", gpu: "—", cpu: "30 MiB", lastUsed: "—" },
+    ]);
+    expect(modelRows({})).toEqual([]);
   });
 });

@@ -498,3 +498,33 @@ export function workerLines(status: Json): { lane: string; text: string }[] {
     return { lane, text: `${lane}: ${parts.join(" · ")}` };
   });
 }
+
+/** One served model in the Memory panel: several models share the GPU, and an idle one makes
+ *  way for another (it loads again at its next request). */
+export interface ModelRow {
+  id: string;
+  role: string;
+  /** "GPU", "GPU + CPU (split)", or "CPU only" once the GPU's copy is unloaded or evicted. */
+  where: string;
+  gpu: string;
+  cpu: string;
+  /** "12 s ago", or "—" before its first request. */
+  lastUsed: string;
+}
+
+export function modelRows(status: Json, nowMs = Date.now()): ModelRow[] {
+  const models: Json[] = status.models ?? [];
+  const where: Record<string, string> = { gpu: "GPU", split: "GPU + CPU (split)", cpu: "CPU only" };
+  const ago = (ms: number) => {
+    const s = Math.max(0, Math.round((nowMs - ms) / 1000));
+    return s < 90 ? `${s} s ago` : s < 5400 ? `${Math.round(s / 60)} min ago` : `${Math.round(s / 3600)} h ago`;
+  };
+  return models.map((m) => ({
+    id: m.id,
+    role: m.role ?? "chat",
+    where: where[m.state] ?? m.state ?? "—",
+    gpu: m.resident_bytes?.gpu != null ? formatMiB(m.resident_bytes.gpu / MIB) : "—",
+    cpu: m.resident_bytes?.cpu != null ? formatMiB(m.resident_bytes.cpu / MIB) : "—",
+    lastUsed: typeof m.last_used_unix_ms === "number" ? ago(m.last_used_unix_ms) : "—",
+  }));
+}

@@ -58,12 +58,15 @@ try {
     assert.equal(await keepAlive(0), "unload");
     await page.getByTestId("gpu-health").filter({ hasText: "GPU idle (simulated): model unloaded" }).waitFor({ timeout: 10_000 });
     assert.match(await page.getByTestId("status-reason").innerText(), /the next request loads it on the GPU/);
+    await page.getByTestId("tab-memory").click();
+    await page.getByTestId("model-row").filter({ hasText: "kjv-demo" }).filter({ hasText: "CPU only" }).waitFor({ timeout: 10_000 });
     const reply = await chat(page, "In the beginning");
     assert.match(await reply.getByTestId("device-badge").innerText(), /GPU · sim/);
     // keep_alive 0 stays in force (Ollama's meaning) until a request sets another: -1 loads
     // the model again if it went, and keeps it.
     assert.equal(await keepAlive(-1), "load");
     await page.getByTestId("gpu-health").filter({ hasText: "GPU healthy" }).waitFor({ timeout: 10_000 });
+    await page.getByTestId("model-row").filter({ hasText: "kjv-demo" }).filter({ has: page.locator("td:nth-child(3)", { hasText: /^GPU$/ }) }).waitFor({ timeout: 10_000 });
   });
 
   await check("Settings show each API's endpoint; a new VRAM reserve is applied to admission and kept across a reload", async () => {
