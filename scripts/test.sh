@@ -53,7 +53,7 @@ step "reference: GGUF against the gguf package and llama.cpp (dequantization of 
 step "schemathesis: generated requests against /openapi.json (no 5xx, no panic)"
 ./scripts/schemathesis.sh
 
-step "pressure: headroom pressure --profile ci on the sim GPU (OOMs and kill -9 at full load, cancels, shrinking VRAM, agent; the exit code enforces the pass criteria)"
+step "pressure: headroom pressure --profile ci on the sim GPU (OOMs and kill -9 at full load, cancels, shrinking VRAM, several models taking turns on one GPU, agent; the exit code enforces the pass criteria)"
 ./target/debug/headroom pressure --profile ci --gpu sim --model kjv-demo --out target/pressure-ci
 
 step "pressure negative control: with idempotency switched off the agent must see duplicate side effects and the run must fail"
@@ -62,6 +62,13 @@ if ./target/debug/headroom pressure --profile ci --gpu sim --model kjv-demo --co
   exit 1
 fi
 grep -q "pressure run failed: zero duplicate side effects" target/pressure-control.log
+
+step "pressure negative control: with admission blind to the other models sharing the GPU, their weights must pass its budget and the run must fail"
+if ./target/debug/headroom pressure --profile ci --gpu sim --model kjv-demo --control gpu-share-ignored --out target/pressure-control-models 2>&1 | tee target/pressure-control-models.log; then
+  echo "the negative control passed: the several-models criterion cannot fail"
+  exit 1
+fi
+grep -q "pressure run failed: several models: their weights on the GPU passed" target/pressure-control-models.log
 
 step "bench: decode tokens/s as the sim GPU's share of the model's layers varies (headroom model split-bench; reported, never a pass criterion)"
 ./target/debug/headroom model split-bench kjv-demo --runs 2 | tee target/split-bench.jsonl

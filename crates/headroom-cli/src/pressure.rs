@@ -66,6 +66,9 @@ pub enum NegativeControl {
     /// The server ignores Idempotency-Key: an agent's retry after a lost response runs the
     /// request again and delivers a second tool call.
     IdempotencyOff,
+    /// Admission on a GPU shared by several models counts each model alone (the several-models
+    /// scenario only): two models' weights end up on a GPU that holds one.
+    GpuShareIgnored,
 }
 
 /// How much traffic a profile sends.
@@ -151,6 +154,11 @@ struct Server {
 
 impl Server {
     async fn start(model_dir: &Path, gpu: PressureGpu, sizing: Option<&Sizing>, dir: &Path, env: &[(&str, &str)]) -> Result<Self> {
+        Self::start_with(model_dir, gpu, sizing, dir, env, "").await
+    }
+
+    /// The same, with `extra` appended to its config file (`[[models]]`).
+    async fn start_with(model_dir: &Path, gpu: PressureGpu, sizing: Option<&Sizing>, dir: &Path, env: &[(&str, &str)], extra: &str) -> Result<Self> {
         std::fs::create_dir_all(dir)?;
         let config = dir.join("headroom.toml");
         // Short queue waits and a small canary keep a CI run fast; everything else is default.
@@ -161,6 +169,7 @@ impl Server {
             toml.push_str(&format!("vram_reserve_mib = {}\nsplit_min_context_tokens = {}\n", s.reserve_mib, s.short_request_tokens));
         }
         toml.push_str("\n[queues]\ngpu_queue_capacity = 64\ncpu_queue_capacity = 64\n\n[supervision]\nhealth_interval_ms = 500\nprobe_canary_mib = 1\n");
+        toml.push_str(extra);
         std::fs::write(&config, toml)?;
         let log = std::fs::File::create(dir.join("serve.log"))?;
         let mut cmd = tokio::process::Command::new(std::env::current_exe()?);
@@ -1019,6 +1028,7 @@ fn negative_control(runtime: &tokio::runtime::Runtime, args: &PressureArgs, cont
     let timeline: SharedTimeline = Arc::default();
     let env = match control {
         NegativeControl::IdempotencyOff => [("HEADROOM_TEST_IGNORE_IDEMPOTENCY_KEY", "1")],
+        NegativeControl::GpuShareIgnored => return shared_gpu_control(runtime, args, out),
     };
     let agent = runtime.block_on(run_agent(args.gpu, &out.join("agent"), &clock, &timeline, args.profile.scale().agent_tasks, &env))?;
     std::fs::write(out.join("control.json"), serde_json::to_string_pretty(&json!({"control": control, "agent": agent}))?)?;
@@ -1038,26 +1048,7 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
     let scale = args.profile.scale();
     let sim = args.gpu == PressureGpu::Sim;
 
-    // Prompts: short verses, and long prompts well past what the GPU budget holds.
-    let chat_len = |text: &str| -> Result<usize> { Ok(bundle.chat_prompt(&[ChatMessage::new("user", text)], None)?.len()) };
-    let context = bundle.config.max_position_embeddings;
-    let long_target = scale.long_prompt_tokens.min(context.saturating_sub(scale.max_tokens as usize + 8));
-    let mut long_prompts = Vec::new();
-    for i in 0..3 {
-        let mut text = String::new();
-        let mut k = i;
-        while chat_len(&text)? < long_target {
-            text.push_str(VERSES[k % VERSES.len()]);
-            text.push(' ');
-            k += 1;
-        }
-        while chat_len(&text)? > long_target {
-            text.pop();
-        }
-        long_prompts.push(text);
-    }
-    let short_tokens = VERSES.iter().map(|v| chat_len(v)).collect::<Result<Vec<_>>>()?.into_iter().max().unwrap_or(16);
-    let long_tokens = chat_len(&long_prompts[0])?;
+    let Prompts { long_prompts, short_tokens, long_tokens } = prompts(bundle, scale)?;
     let sizing = if sim { Some(plan_sizing(bundle, short_tokens, long_tokens, scale.max_tokens)?) } else { None };
 
     let server = Server::start(model_dir, args.gpu, sizing.as_ref(), &out.join("server"), &[]).await?;
@@ -1397,6 +1388,16 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
         None => notes.push("the KV-overcommit scenario runs on the sim GPU only (a CUDA worker does not count its blocks yet)".into()),
     }
 
+    // Several models on one GPU: two chat models and an embedding model (copies of the model
+    // under other names) on the sim GPU sized for one model; each takes the GPU in turn by
+    // evicting the idle others, fills it, and loses its GPU worker to kill -9 at full load.
+    let shared_run = if let (true, Some(s)) = (sim, &sizing) {
+        Some(shared_gpu_waves(model_dir, args.gpu, s, &out.join("models-server"), &clock, &timeline, scale, max_tokens, &mut records, &mut recoveries, &[]).await?)
+    } else {
+        notes.push("the several-models scenario runs on the sim GPU sized by the harness".into());
+        None
+    };
+
     // An agent with a side-effecting mock tool, on a second server whose model always calls it.
     let agent = run_agent(args.gpu, &out.join("agent"), &clock, &timeline, scale.agent_tasks, &[]).await?;
 
@@ -1505,6 +1506,21 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
                 _ => "not run (see the notes)".into(),
             },
         },
+        Criterion {
+            name: "several models: each took the GPU in turn by evicting the idle others; their weights there never passed capacity less the reserve".into(),
+            passed: shared_run.as_ref().is_none_or(|r| r.evictions > 0 && r.on_gpu.iter().all(|(_, n)| *n > 0) && r.peak_weights_mib <= r.limit_mib + 1e-6),
+            detail: match &shared_run {
+                Some(r) => format!(
+                    "{} evictions; requests served on the GPU per model: {}; the models' weights on the GPU peaked at {:.1} MiB (capacity less the reserve: {:.0} MiB); {} requests, none lost (see the first criterion)",
+                    r.evictions,
+                    r.on_gpu.iter().map(|(m, n)| format!("{m} {n}")).collect::<Vec<_>>().join(", "),
+                    r.peak_weights_mib,
+                    r.limit_mib,
+                    records.iter().filter(|x| x.scenario == "models_share_gpu").count()
+                ),
+                None => "not run (see the notes)".into(),
+            },
+        },
         Criterion { name: "p95 latency".into(), passed: worst_p95 <= scale.max_p95_ms, detail: format!("worst scenario p95 {worst_p95:.0} ms (threshold {:.0} ms)", scale.max_p95_ms) },
         Criterion { name: "GPU worker restored after each fault".into(), passed: unrestored.is_empty() && !recoveries.is_empty(), detail: if unrestored.is_empty() { format!("{} faults, all restored", recoveries.len()) } else { format!("not restored after {}", unrestored.join(", ")) } },
     ];
@@ -1529,6 +1545,7 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
             }
             _ => json!({"available": false}),
         },
+        "several_models": shared_run.as_ref().map(|r| json!({"models": r.models, "evictions": r.evictions, "on_gpu": r.on_gpu, "peak_weights_mib": r.peak_weights_mib, "limit_mib": r.limit_mib})),
         "note": if sim { sim_note } else { "CUDA GPU" },
         "skipped": notes,
     });
@@ -1807,4 +1824,205 @@ mod tests {
         r.degraded_marked = true;
         assert!(!r.degraded_unmarked());
     }
+}
+
+/// The harness's prompts: long ones well past what the GPU budget holds, and the token counts
+/// of the longest short verse and of the long prompts (the sim GPU is sized from them).
+struct Prompts {
+    long_prompts: Vec<String>,
+    short_tokens: usize,
+    long_tokens: usize,
+}
+
+fn prompts(bundle: &ModelBundle, scale: Scale) -> Result<Prompts> {
+    let chat_len = |text: &str| -> Result<usize> { Ok(bundle.chat_prompt(&[ChatMessage::new("user", text)], None)?.len()) };
+    let context = bundle.config.max_position_embeddings;
+    let long_target = scale.long_prompt_tokens.min(context.saturating_sub(scale.max_tokens as usize + 8));
+    let mut long_prompts = Vec::new();
+    for i in 0..3 {
+        let mut text = String::new();
+        let mut k = i;
+        while chat_len(&text)? < long_target {
+            text.push_str(VERSES[k % VERSES.len()]);
+            text.push(' ');
+            k += 1;
+        }
+        while chat_len(&text)? > long_target {
+            text.pop();
+        }
+        long_prompts.push(text);
+    }
+    let short_tokens = VERSES.iter().map(|v| chat_len(v)).collect::<Result<Vec<_>>>()?.into_iter().max().unwrap_or(16);
+    let long_tokens = chat_len(&long_prompts[0])?;
+    Ok(Prompts { long_prompts, short_tokens, long_tokens })
+}
+
+/// The several-models scenario on a server whose admission counts each model alone: the
+/// models' weights on the GPU must pass capacity less the reserve, so the criterion fails.
+fn shared_gpu_control(runtime: &tokio::runtime::Runtime, args: &PressureArgs, out: &Path) -> Result<()> {
+    if args.gpu != PressureGpu::Sim {
+        bail!("--control gpu-share-ignored needs --gpu sim (the harness sizes the sim GPU for one model)");
+    }
+    let model_dir = headroom_model::bundle::resolve_model(&args.model);
+    let bundle = ModelBundle::open(&model_dir)?;
+    let scale = args.profile.scale();
+    let p = prompts(&bundle, scale)?;
+    let sizing = plan_sizing(&bundle, p.short_tokens, p.long_tokens, scale.max_tokens)?;
+    let (clock, timeline): (Clock, SharedTimeline) = (Clock(Instant::now()), Arc::default());
+    let (mut records, mut recoveries) = (Vec::new(), Vec::new());
+    let run = runtime.block_on(shared_gpu_waves(&model_dir, args.gpu, &sizing, &out.join("models-server"), &clock, &timeline, scale, scale.max_tokens, &mut records, &mut recoveries, &[("HEADROOM_TEST_DEFECT", "gpu-share-ignored")]))?;
+    println!("negative control GpuShareIgnored: the models' weights on the GPU peaked at {:.1} MiB; capacity less the reserve is {:.0} MiB", run.peak_weights_mib, run.limit_mib);
+    if run.peak_weights_mib > run.limit_mib {
+        bail!("pressure run failed: several models: their weights on the GPU passed capacity less the reserve ({:.1} > {:.0} MiB with GpuShareIgnored, as a negative control must)", run.peak_weights_mib, run.limit_mib);
+    }
+    println!("the negative control stayed within the budget: the several-models criterion cannot fail");
+    Ok(())
+}
+
+/// What the several-models scenario found.
+struct SharedRun {
+    models: Vec<String>,
+    /// Models unloaded to make room for another (`headroom_model_gpu_unloads_total`, summed).
+    evictions: u64,
+    /// Requests of each model that ran on the GPU (finished there or failed over from it).
+    on_gpu: Vec<(String, usize)>,
+    /// The largest sum of the models' weights on the GPU seen, every 50 ms.
+    peak_weights_mib: f64,
+    limit_mib: f64,
+}
+
+/// Copies a model (a .gguf file or a folder) to `dir/NAME-SUFFIX`, so one server can serve it
+/// again under another name.
+fn copy_model(model_dir: &Path, dir: &Path, suffix: &str) -> Result<PathBuf> {
+    std::fs::create_dir_all(dir)?;
+    let name = model_dir.file_stem().context("the model has no name")?.to_string_lossy().into_owned();
+    if model_dir.is_file() {
+        let to = dir.join(format!("{name}-{suffix}.gguf"));
+        std::fs::copy(model_dir, &to)?;
+        return Ok(to);
+    }
+    let to = dir.join(format!("{name}-{suffix}"));
+    std::fs::create_dir_all(&to)?;
+    for entry in std::fs::read_dir(model_dir)? {
+        let entry = entry?;
+        if entry.file_type()?.is_file() {
+            std::fs::copy(entry.path(), to.join(entry.file_name()))?;
+        }
+    }
+    Ok(to)
+}
+
+/// The several-models scenario: waves of requests, one model at a time (chat A, embeddings C,
+/// chat B, chat A again), each started while another model holds the GPU; once the wave's model
+/// has its GPU slots full with requests queued behind them, its GPU worker gets kill -9.
+#[allow(clippy::too_many_arguments)]
+async fn shared_gpu_waves(model_dir: &Path, gpu: PressureGpu, sizing: &Sizing, dir: &Path, clock: &Clock, timeline: &SharedTimeline, scale: Scale, max_tokens: u32, records: &mut Vec<Record>, recoveries: &mut Vec<Recovery>, env: &[(&str, &str)]) -> Result<SharedRun> {
+    let second = copy_model(model_dir, &dir.join("models"), "b")?;
+    let embedder = copy_model(model_dir, &dir.join("models"), "embed")?;
+    let extra = format!("\n[[models]]\nsource = {:?}\n\n[[models]]\nsource = {:?}\nrole = \"embedding\"\n", second.display().to_string(), embedder.display().to_string());
+    let server = Server::start_with(model_dir, gpu, Some(sizing), dir, env, &extra).await?;
+    let models: Vec<String> = server.status().await?["models"].as_array().context("no models[] in /v1/status")?.iter().filter_map(|m| m["id"].as_str().map(str::to_string)).collect();
+    if models.len() != 3 {
+        bail!("the several-models server serves {models:?}, not three models");
+    }
+    let limit_mib = (sizing.sim_vram_mib - sizing.reserve_mib) as f64;
+    let first = records.len();
+    let waves = [0usize, 2, 1, 0];
+    let sampling = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let peak = Arc::new(Mutex::new(0.0f64));
+    let sampler = {
+        let (http, base, sampling, peak) = (server.http.clone(), server.base.clone(), sampling.clone(), peak.clone());
+        tokio::spawn(async move {
+            while sampling.load(std::sync::atomic::Ordering::SeqCst) {
+                if let Ok(response) = http.get(format!("{base}/v1/status")).send().await {
+                    if let Ok(s) = response.json::<Value>().await {
+                        let weights: f64 = s["models"].as_array().into_iter().flatten().filter_map(|m| m["resident_bytes"]["gpu"].as_f64()).sum();
+                        let mut p = peak.lock().unwrap();
+                        *p = p.max(weights / MIB as f64);
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
+    for (wave, &m) in waves.iter().enumerate() {
+        let model = models[m].clone();
+        let embedding = m == 2;
+        let stream = wave % 2 == 1;
+        let shots: Vec<Shot> = (0..scale.full_load)
+            .map(|i| {
+                let verse = VERSES[i % VERSES.len()];
+                let body = if embedding { json!({"model": model, "input": verse, "encoding_format": "float"}) } else { chat_body(&model, verse, max_tokens, stream && i % 2 == 0) };
+                Shot {
+                    scenario: "models_share_gpu",
+                    class: if embedding { "embedding" } else { "short" },
+                    fault: "evict_then_kill_9",
+                    stream: !embedding && stream && i % 2 == 0,
+                    prompt_key: format!("models-{model}:{}", i % VERSES.len()),
+                    body,
+                    idempotency_key: None,
+                    disconnect_after_chunks: None,
+                    client_timeout: None,
+                }
+            })
+            .collect();
+        eprintln!("pressure: several models, wave {} on {model}", wave + 1);
+        // Slow enough that the wave's model has requests queued behind its full slots.
+        server.fault(json!({"fault": "slowdown", "factor": 20.0, "model": model})).await?;
+        let n = shots.len();
+        let sending = run_all(&server, clock, shots, n);
+        let firing = async {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                let s = server.status().await?;
+                let entry = s["models"].as_array().into_iter().flatten().find(|e| e["id"] == model.as_str()).cloned().unwrap_or(Value::Null);
+                let q = entry["queues"].as_array().into_iter().flatten().find(|q| q["device"] == "gpu").cloned().unwrap_or(Value::Null);
+                if let (Some(pid), true) = (entry["gpu_pid"].as_u64(), q["running"].as_u64().unwrap_or(0) >= 1 && q["waiting"].as_u64().unwrap_or(0) >= 1) {
+                    mark(timeline, clock, format!("several models: {model} holds the GPU, {} running and {} waiting; its GPU worker killed", q["running"], q["waiting"]));
+                    send_signal(pid as u32, "KILL")?;
+                    return Ok::<_, anyhow::Error>((clock.ms(), pid));
+                }
+                if Instant::now() > deadline {
+                    bail!("{model} never filled its GPU slots with requests queued behind them within 30 s");
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        let (burst, fired) = tokio::join!(sending, firing);
+        let (fired_at, killed) = fired?;
+        records.extend(burst);
+        // Restored: the model has a new GPU worker its breaker trusts again, or it is unloaded
+        // (evicted meanwhile, it loads again at its next request).
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let restored = loop {
+            let s = server.status().await?;
+            let entry = s["models"].as_array().into_iter().flatten().find(|e| e["id"] == model.as_str()).cloned().unwrap_or(Value::Null);
+            let pid = entry["gpu_pid"].as_u64();
+            if (pid.is_some() && pid != Some(killed) && entry["breaker"] == "closed") || entry["gpu_residency"]["state"] == "unloaded" {
+                break true;
+            }
+            if Instant::now() > deadline {
+                break false;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        recoveries.push(Recovery { fault: "evict_then_kill_9".into(), stream, restored, recovery_ms: restored.then(|| clock.ms() - fired_at) });
+        server.fault(json!({"fault": "clear", "model": model})).await?;
+    }
+    sampling.store(false, std::sync::atomic::Ordering::SeqCst);
+    let _ = sampler.await;
+    reconcile(&server, &mut records[first..]).await;
+    let metrics = server.http.get(format!("{}/metrics", server.base)).send().await?.text().await?;
+    let evictions = metrics.lines().filter(|l| l.starts_with("headroom_model_gpu_unloads_total{")).filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok()).sum();
+    // Ran on the GPU: admitted to its GPU queue, and finished there or failed over from it.
+    let on_gpu = models
+        .iter()
+        .map(|m| {
+            let ran = records[first..].iter().filter(|r| r.prompt_key.starts_with(&format!("models-{m}:")) && r.queued_on.as_deref() == Some("gpu") && (r.device.as_deref() == Some("sim") || r.failovers > 0));
+            (m.clone(), ran.count())
+        })
+        .collect();
+    server.stop().await;
+    let peak_weights_mib = *peak.lock().unwrap();
+    Ok(SharedRun { models, evictions, on_gpu, peak_weights_mib, limit_mib })
 }

@@ -702,6 +702,9 @@ fn status_body(state: &Arc<AppState>) -> StatusBody {
                     "resident_bytes": now.resident_bytes,
                     "last_used_unix_ms": now.last_used_unix_ms,
                     "gpu_residency": m.dispatcher.supervisor().gpu_residency(),
+                    "gpu_pid": m.dispatcher.supervisor().gpu_worker().map(|w| w.pid),
+                    "breaker": m.dispatcher.supervisor().status().breaker,
+                    "queues": m.dispatcher.queues(),
                 })
             })
             .collect(),
@@ -870,7 +873,13 @@ async fn openapi() -> Json<utoipa::openapi::OpenApi> {
 /// `--gpu sim` only: inject a fault into the simulated GPU (`{"fault": "oom_next_allocation"}`,
 /// `{"fault": "reset", "after_tokens": 4}`, `{"fault": "clear"}`, ...).
 async fn sim_fault(State(state): Shared, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
-    let (fault, _): (Fault, Bytes) = parse_body(body)?;
+    let (fault, raw): (Fault, Bytes) = parse_body(body)?;
+    // With several models, `"model"` names whose sim GPU worker takes it (default: the first).
+    let named = serde_json::from_slice::<Value>(&raw).ok().and_then(|v| v["model"].as_str().map(str::to_string));
+    let state = match named {
+        Some(model) => state.for_model(&model)?,
+        None => state,
+    };
     state
         .dispatcher
         .supervisor()

@@ -60,7 +60,7 @@ impl Dispatcher {
     /// `own` (this model's budget alone) with what the share's other models hold on the GPU
     /// added, leaving out `except` (a model whose eviction is being weighed).
     pub(super) fn beside_others(&self, mut own: Budget, except: &[Arc<Inner>]) -> Budget {
-        if self.has_defect(Defect::GpuShareIgnored) {
+        if self.share_ignored() {
             return own;
         }
         let (mut weights, mut held) = (0, 0);
@@ -86,7 +86,7 @@ impl Dispatcher {
     /// only when evicting every idle one would make them fit. Returns whether it evicted any.
     pub(super) fn evict_for(&self, needs: u64) -> bool {
         let Some((share, name)) = self.inner.share.lock().unwrap().as_ref().map(|m| (m.share.clone(), m.name.clone())) else { return false };
-        if self.has_defect(Defect::GpuShareIgnored) {
+        if self.share_ignored() {
             return false;
         }
         let mut idle: Vec<Arc<Inner>> = self.others().into_iter().filter(|(o, pinned)| !pinned && o.evictable()).map(|(o, _)| o).collect();
@@ -108,6 +108,12 @@ impl Dispatcher {
             }
         }
         evicted
+    }
+
+    /// Test-only: the defect the share's checks guard against, switched on in a test or, for
+    /// the pressure harness's negative control, by `HEADROOM_TEST_DEFECT=gpu-share-ignored`.
+    fn share_ignored(&self) -> bool {
+        self.has_defect(Defect::GpuShareIgnored) || headroom_model::test_defect("gpu-share-ignored")
     }
 
     /// Waits until the workers unloaded or evicted from this model's share have exited (their
