@@ -1511,9 +1511,11 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
             passed: shared_run.as_ref().is_none_or(|r| r.evictions > 0 && r.on_gpu.iter().all(|(_, n)| *n > 0) && r.peak_weights_mib <= r.limit_mib + 1e-6),
             detail: match &shared_run {
                 Some(r) => format!(
-                    "{} evictions; requests served on the GPU per model: {}; the models' weights on the GPU peaked at {:.1} MiB (capacity less the reserve: {:.0} MiB); {} requests, none lost (see the first criterion)",
+                    "{} evictions; loads per model: {}; requests that ran on the GPU per model: {}; p95 latency per model: {}; the models' weights on the GPU peaked at {:.1} MiB (capacity less the reserve: {:.0} MiB); {} requests, none lost (see the first criterion)",
                     r.evictions,
+                    r.loads.iter().map(|(m, n)| format!("{m} {n}")).collect::<Vec<_>>().join(", "),
                     r.on_gpu.iter().map(|(m, n)| format!("{m} {n}")).collect::<Vec<_>>().join(", "),
+                    r.latency_ms.iter().map(|(m, _, p95)| format!("{m} {p95:.0} ms")).collect::<Vec<_>>().join(", "),
                     r.peak_weights_mib,
                     r.limit_mib,
                     records.iter().filter(|x| x.scenario == "models_share_gpu").count()
@@ -1545,7 +1547,7 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
             }
             _ => json!({"available": false}),
         },
-        "several_models": shared_run.as_ref().map(|r| json!({"models": r.models, "evictions": r.evictions, "on_gpu": r.on_gpu, "peak_weights_mib": r.peak_weights_mib, "limit_mib": r.limit_mib})),
+        "several_models": shared_run.as_ref().map(|r| json!({"models": r.models, "evictions": r.evictions, "loads": r.loads, "on_gpu": r.on_gpu, "latency_ms_p50_p95": r.latency_ms, "peak_weights_mib": r.peak_weights_mib, "limit_mib": r.limit_mib})),
         "note": if sim { sim_note } else { "CUDA GPU" },
         "skipped": notes,
     });
@@ -1886,6 +1888,10 @@ struct SharedRun {
     evictions: u64,
     /// Requests of each model that ran on the GPU (finished there or failed over from it).
     on_gpu: Vec<(String, usize)>,
+    /// Loads of each model on the GPU for its requests (`headroom_model_gpu_loads_total`).
+    loads: Vec<(String, u64)>,
+    /// Each model's completed requests' p50 and p95 latency, ms.
+    latency_ms: Vec<(String, f64, f64)>,
     /// The largest sum of the models' weights on the GPU seen, every 50 ms.
     peak_weights_mib: f64,
     limit_mib: f64,
@@ -2014,6 +2020,20 @@ async fn shared_gpu_waves(model_dir: &Path, gpu: PressureGpu, sizing: &Sizing, d
     reconcile(&server, &mut records[first..]).await;
     let metrics = server.http.get(format!("{}/metrics", server.base)).send().await?.text().await?;
     let evictions = metrics.lines().filter(|l| l.starts_with("headroom_model_gpu_unloads_total{")).filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok()).sum();
+    let loads = models
+        .iter()
+        .map(|m| {
+            let line = format!("headroom_model_gpu_loads_total{{model=\"{m}\"}} ");
+            (m.clone(), metrics.lines().find_map(|l| l.strip_prefix(line.as_str())?.parse().ok()).unwrap_or(0))
+        })
+        .collect();
+    let latency_ms = models
+        .iter()
+        .map(|m| {
+            let l: Vec<f64> = records[first..].iter().filter(|r| r.completed && r.prompt_key.starts_with(&format!("models-{m}:"))).map(|r| r.latency_ms).collect();
+            (m.clone(), percentile(&l, 50.0), percentile(&l, 95.0))
+        })
+        .collect();
     // Ran on the GPU: admitted to its GPU queue, and finished there or failed over from it.
     let on_gpu = models
         .iter()
@@ -2024,5 +2044,5 @@ async fn shared_gpu_waves(model_dir: &Path, gpu: PressureGpu, sizing: &Sizing, d
         .collect();
     server.stop().await;
     let peak_weights_mib = *peak.lock().unwrap();
-    Ok(SharedRun { models, evictions, on_gpu, peak_weights_mib, limit_mib })
+    Ok(SharedRun { models, evictions, on_gpu, loads, latency_ms, peak_weights_mib, limit_mib })
 }

@@ -852,6 +852,7 @@ fn model_metrics(state: &Arc<AppState>) -> String {
     let label = |s: &str| s.replace('\\', "\\\\").replace('"', "\\\"");
     let mut loaded = String::from("# HELP headroom_model_loaded_on_gpu 1 while the GPU holds the model (several models share one GPU; idle ones are evicted for others)\n# TYPE headroom_model_loaded_on_gpu gauge\n");
     let mut resident = String::from("# HELP headroom_model_resident_bytes Weight bytes of the model each device holds now\n# TYPE headroom_model_resident_bytes gauge\n");
+    let mut loads = String::from("# HELP headroom_model_gpu_loads Times the model was loaded on the GPU for a request (after an unload, an eviction, or a start without it)\n# TYPE headroom_model_gpu_loads counter\n");
     let mut unloads = String::from("# HELP headroom_model_gpu_unloads Times the GPU's copy of the model was unloaded (keep_alive) or evicted for another model\n# TYPE headroom_model_gpu_unloads counter\n");
     for m in state.served() {
         let now = served_model_now(&m);
@@ -862,8 +863,9 @@ fn model_metrics(state: &Arc<AppState>) -> String {
             resident.push_str(&format!("headroom_model_resident_bytes{{model=\"{model}\",device=\"{}\"}} {bytes}\n", label(&device)));
         }
         unloads.push_str(&format!("headroom_model_gpu_unloads_total{{model=\"{model}\"}} {}\n", m.dispatcher.gpu_model_unloads()));
+        loads.push_str(&format!("headroom_model_gpu_loads_total{{model=\"{model}\"}} {}\n", m.dispatcher.supervisor().gpu_loads()));
     }
-    format!("{loaded}{resident}{unloads}")
+    format!("{loaded}{resident}{loads}{unloads}")
 }
 
 async fn openapi() -> Json<utoipa::openapi::OpenApi> {

@@ -107,18 +107,22 @@ pub struct ModelEntry {
     /// Loaded at start and never evicted to make room for another model.
     #[serde(default)]
     pub pin: bool,
+    /// A smaller model for this model's CPU worker (as `[server] cpu_fallback_model` is for
+    /// the first); replies it gives say so.
+    #[serde(default)]
+    pub fallback: Option<String>,
 }
 
 impl ModelEntry {
     fn named(source: &str) -> Self {
-        Self { source: source.to_string(), role: Default::default(), keep_alive: None, pin: false }
+        Self { source: source.to_string(), role: Default::default(), keep_alive: None, pin: false, fallback: None }
     }
 }
 
 /// The models to serve: the `--model` flags, then `[[models]]`; only `[[models]]` when the flag
 /// was left at its default and the file lists some.
 fn model_entries(flags: &[String], text: &str) -> Result<Vec<ModelEntry>> {
-    let listed: Vec<ModelEntry> = headroom_router::config_table(text, "models").map_err(|e| anyhow::anyhow!("{e}: each [[models]] takes source, role (chat or embedding), keep_alive, pin"))?;
+    let listed: Vec<ModelEntry> = headroom_router::config_table(text, "models").map_err(|e| anyhow::anyhow!("{e}: each [[models]] takes source, role (chat or embedding), keep_alive, pin, fallback"))?;
     let flagged: Vec<ModelEntry> = flags.iter().filter(|m| !m.trim().is_empty()).map(|m| ModelEntry::named(m.trim())).collect();
     let defaulted = flagged.len() == 1 && flagged[0].source == "default";
     let mut entries = if defaulted && !listed.is_empty() { Vec::new() } else { flagged };
@@ -476,7 +480,7 @@ pub async fn run(
         let other_supervision = supervision.clone();
         let mut config = SupervisorConfig::new(std::env::current_exe()?, model_dir.clone(), gpu);
         config.cpu = cpu;
-        config.cpu_fallback_model_dir = settings.fallback_model.clone();
+        config.cpu_fallback_model_dir = settings.fallback_model.clone().or_else(|| primary.fallback.as_deref().map(resolve_model));
         config.supervision = supervision;
         config.gpu_paused = settings.gpu_paused;
         config.keep_alive = primary.keep_alive.unwrap_or(memory.keep_alive);
@@ -525,6 +529,7 @@ pub async fn run(
             config.gpu_paused = settings.gpu_paused;
             config.keep_alive = entry.keep_alive.unwrap_or(memory.keep_alive);
             config.gpu_at_start = entry.pin;
+            config.cpu_fallback_model_dir = entry.fallback.as_deref().map(resolve_model);
             eprintln!("headroom: starting workers for {} ({}, {}{})", id, other.short_hash(), entry.role.as_str(), if entry.pin { ", pinned" } else { "" });
             let other_supervisor = Supervisor::start(config).await.with_context(|| format!("cannot start the workers of {id}"))?;
             let (planner, _) = headroom_memory::planner_for(&other, backend, memory.clone());

@@ -197,6 +197,9 @@ struct Inner {
     /// The VRAM reserve the GPU worker keeps free as settings set it since start (MiB); its
     /// launches take it instead of the config's.
     vram_reserve_mib: Mutex<Option<u64>>,
+    /// Loads of the model on the GPU for a request, after a keep_alive unload, an eviction, or
+    /// a start without it.
+    gpu_loads: std::sync::atomic::AtomicU64,
 }
 
 /// What keeps the GPU's copy of the model loaded: its keep_alive and its last use.
@@ -296,6 +299,7 @@ impl Supervisor {
             fallback_bundle: Mutex::new(None),
             gpu_unloaded: tokio::sync::watch::channel(config.gpu.is_some() && !config.gpu_at_start).0,
             vram_reserve_mib: Mutex::new(None),
+            gpu_loads: 0.into(),
             residency: Mutex::new(Residency { keep_alive: config.keep_alive, last_used: Instant::now(), loading: false, ever_used: false, last_load_ms: 0.0, last_reading: None }),
             config,
             gpu: RwLock::new(None),
@@ -500,6 +504,7 @@ impl Supervisor {
             self.inner.gpu_unloaded.send_replace(false)
         };
         if began {
+            self.inner.gpu_loads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             self.emit(EventKind::GpuModelLoading { device, reason: "a request for the GPU arrived while the model was unloaded".into() });
         }
         let limit = Duration::from_millis(self.inner.config.supervision.load_timeout_ms) + Duration::from_secs(1);
@@ -510,6 +515,11 @@ impl Supervisor {
             }
         }
         Some(started.elapsed())
+    }
+
+    /// Loads of the model on the GPU for a request since start (see [`Supervisor::load_gpu`]).
+    pub fn gpu_loads(&self) -> u64 {
+        self.inner.gpu_loads.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Whether the GPU's model is unloaded or loading again for a request (not a failure).
