@@ -121,3 +121,15 @@ def test_wrong_kind_or_unknown_model_is_a_clear_error(two_models):
         assert '"kjv-demo", "kjv-embed"' in r.json()["error"]["message"], r.text
     r = httpx.post(two_models.url + "/api/chat", json={"model": "kjv-embed", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
     assert r.status_code == 400 and "embedding model" in r.json()["error"], r.text
+
+
+def test_pausing_the_gpu_in_settings_pauses_it_for_every_model(two_models):
+    r = httpx.patch(two_models.url + "/v1/settings", json={"gpu_paused": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    try:
+        for name, call in [("kjv-embed", embed), ("kjv-demo", chat)]:
+            r = call(two_models.url, name)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-headroom-device"] == "cpu", f"{name} still ran on the paused GPU"
+    finally:
+        assert httpx.patch(two_models.url + "/v1/settings", json={"gpu_paused": False}, timeout=60).status_code == 200

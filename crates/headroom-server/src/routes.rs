@@ -749,6 +749,19 @@ async fn update_settings(State(state): Shared, body: Result<Bytes, BytesRejectio
     let (patch, _): (Value, Bytes) = parse_body(body)?;
     check_gpu_layers(&state, &patch)?;
     let update = state.dispatcher.update_settings(&patch).await?;
+    // The service-wide settings (the VRAM reserve, the GPU's pause, the CPU workers' concurrency
+    // and context) apply to every served model; the fallback model and the layer count are
+    // the first model's.
+    if let Some(fields) = patch.as_object() {
+        let shared: serde_json::Map<String, Value> = fields.iter().filter(|(k, _)| !matches!(k.as_str(), "fallback_model" | "gpu_layers")).map(|(k, v)| (k.clone(), v.clone())).collect();
+        if !shared.is_empty() {
+            for other in state.served().iter().skip(1) {
+                if let Err(e) = other.dispatcher.update_settings(&Value::Object(shared.clone())).await {
+                    tracing::warn!(model = %other.model_id, error = %e, "a settings change did not apply to this model");
+                }
+            }
+        }
+    }
     Ok(Json(SettingsBody { settings: update.settings, changed: update.changed, restart_required: update.restart_required, file: state.dispatcher.settings_path() }))
 }
 
