@@ -159,22 +159,18 @@ pub fn run(options: WorkerOptions, input: impl Read, output: impl Write + Send +
             }
             ToWorker::Fault { fault } => {
                 state.set_fault(fault);
-                // A competing workload changes the reading. Faults exist on the sim device only,
-                // whose ledger is read without waiting for the (simulated) device.
-                let reading = state.memory();
-                *state.latest_memory.lock().unwrap() = reading;
+                // A competing workload changes the reading.
+                state.refresh_latest_memory();
             }
             ToWorker::DropPrefixCache => {
                 if let Some(Loaded { engine: Engine::Cpu(model), .. }) = state.loaded.lock().unwrap().as_deref() {
                     model.prefix_cache.clear();
                 }
-                let reading = state.memory();
-                *state.latest_memory.lock().unwrap() = reading;
+                state.refresh_latest_memory();
             }
             ToWorker::SetVramReserve { mib } => {
                 state.vram_reserve.store(mib * headroom_memory::MIB, Ordering::SeqCst);
-                let reading = state.memory();
-                *state.latest_memory.lock().unwrap() = reading;
+                state.refresh_latest_memory();
             }
             ToWorker::Shutdown => return 0,
         }
@@ -352,6 +348,14 @@ impl State {
         };
         *self.latest_memory.lock().unwrap() = reading.clone();
         reading
+    }
+
+    /// Keeps a reading for health answers after a message changed what it says (a fault, the
+    /// prefix cache dropped, the reserve changed): taken without waiting for the device (faults
+    /// and the reserve exist on the sim device only, whose ledger reads at once).
+    fn refresh_latest_memory(&self) {
+        let reading = self.memory();
+        *self.latest_memory.lock().unwrap() = reading;
     }
 
     fn memory(&self) -> MemoryReading {

@@ -322,14 +322,6 @@ impl Inner {
     }
 
     fn unload_if_idle(&self) -> bool {
-        let leaving = self.supervisor.gpu_worker();
-        let unloaded = self.gpu_lane_idle() && self.supervisor.unload_if_expired();
-        if unloaded {
-            self.metrics.gpu_model_unloads.inc();
-            if let Some(worker) = leaving {
-                self.leaving(worker);
-            }
-        }
-        unloaded
+        self.gpu_lane_idle() && self.stand_down(None)
     }
 }

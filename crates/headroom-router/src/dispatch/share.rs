@@ -85,7 +85,7 @@ impl Dispatcher {
     /// Evicts idle models of the share, least recently used first, until `needs` bytes fit;
     /// only when evicting every idle one would make them fit. Returns whether it evicted any.
     pub(super) fn evict_for(&self, needs: u64) -> bool {
-        let Some((share, name)) = self.inner.share.lock().unwrap().as_ref().map(|m| (m.share.clone(), m.name.clone())) else { return false };
+        let Some(name) = self.inner.share.lock().unwrap().as_ref().map(|m| m.name.clone()) else { return false };
         if self.share_ignored() {
             return false;
         }
@@ -101,11 +101,7 @@ impl Dispatcher {
             if self.gpu_budget().is_some_and(|b| needs <= b.available_bytes()) {
                 break;
             }
-            if let Some(worker) = other.supervisor.evict(&name) {
-                other.metrics.gpu_model_unloads.inc();
-                share.inner.lock().unwrap().leaving.push(worker);
-                evicted = true;
-            }
+            evicted |= other.stand_down(Some(&name));
         }
         evicted
     }
@@ -158,10 +154,15 @@ impl Inner {
         self.supervisor.gpu_worker().is_some() && !self.supervisor.gpu_unloaded() && self.gpu_lane_idle()
     }
 
-    /// A worker this model unloaded for its keep_alive: a load of another model waits for it.
-    pub(super) fn leaving(&self, worker: Arc<crate::Worker>) {
+    /// Unloads the model's GPU copy, after its keep_alive (`evicted_for` None) or for another
+    /// model (see [`crate::Supervisor::unload`]), counts it, and puts its worker on the share's
+    /// leaving list: a load of another model waits for it. Returns whether it unloaded.
+    pub(super) fn stand_down(&self, evicted_for: Option<&str>) -> bool {
+        let Some(worker) = self.supervisor.unload(evicted_for) else { return false };
+        self.metrics.gpu_model_unloads.inc();
         if let Some(m) = self.share.lock().unwrap().as_ref() {
             m.share.inner.lock().unwrap().leaving.push(worker);
         }
+        true
     }
 }

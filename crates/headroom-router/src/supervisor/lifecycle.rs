@@ -20,34 +20,29 @@ impl Supervisor {
             if self.shutting_down() {
                 return;
             }
-            if self.gpu_paused() {
-                if let Some(worker) = self.gpu_worker() {
-                    // Requests already on it finish; nothing new is sent while paused.
-                    self.clear_gpu(&worker);
-                    retire_when_idle(worker.clone()).await;
-                    self.emit(EventKind::WorkerExited { device: worker.device, pid: worker.pid, status: "stopped: the GPU is paused".into() });
-                }
-                tokio::select! {
-                    _ = async { let _ = paused.wait_for(|p| !*p).await; } => {}
-                    _ = tokio::time::sleep(Duration::from_millis(500)) => {}
-                }
-                attempt = 0;
-                continue;
-            }
-            if self.gpu_unloaded() {
-                if let Some(worker) = self.gpu_worker() {
-                    // Idle past its keep_alive: a request that picked this worker just before
-                    // still finishes on it.
-                    self.clear_gpu(&worker);
-                    retire_when_idle(worker.clone()).await;
-                    self.emit(EventKind::WorkerExited { device: worker.device, pid: worker.pid, status: "stopped: the model was unloaded (keep_alive)".into() });
-                }
-                tokio::select! {
-                    _ = async { let _ = unloaded.wait_for(|u| !*u).await; } => {}
-                    _ = tokio::time::sleep(Duration::from_millis(500)) => {}
-                }
-                attempt = 0;
+            // Paused in settings, or the model unloaded (keep_alive, eviction): the worker stands
+            // down once idle (requests already on it, or that picked it just before, finish;
+            // nothing new is sent), and the GPU waits for the state to end.
+            let standing_down = if self.gpu_paused() {
+                Some((&mut paused, "stopped: the GPU is paused"))
+            } else if self.gpu_unloaded() {
+                // The next launch loads the model for a request waiting on it.
                 on_demand = true;
+                Some((&mut unloaded, "stopped: the model was unloaded (keep_alive)"))
+            } else {
+                None
+            };
+            if let Some((until, status)) = standing_down {
+                if let Some(worker) = self.gpu_worker() {
+                    self.clear_gpu(&worker);
+                    retire_when_idle(worker.clone()).await;
+                    self.emit(EventKind::WorkerExited { device: worker.device, pid: worker.pid, status: status.into() });
+                }
+                tokio::select! {
+                    _ = async { let _ = until.wait_for(|on| !*on).await; } => {}
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                }
+                attempt = 0;
                 continue;
             }
             let worker = match self.gpu_worker() {

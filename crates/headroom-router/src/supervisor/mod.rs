@@ -101,7 +101,7 @@ pub struct SupervisorConfig {
     /// from pause), from the VRAM free then: a competing program that took memory shrinks the
     /// split, one that left lets it grow. `None`: every launch loads what the first one did.
     pub replan: Option<LayerPlanner>,
-    /// How long the GPU keeps the model loaded once idle (see [`Supervisor::unload_if_expired`]).
+    /// How long the GPU keeps the model loaded once idle (see [`Supervisor::unload`]).
     pub keep_alive: headroom_memory::KeepAlive,
     /// Load the model on the GPU at start (true) or at its first GPU request (false: a model
     /// that shares the GPU with others and is not pinned).
@@ -446,21 +446,11 @@ impl Supervisor {
         })
     }
 
-    /// Unloads the GPU's copy of the model when its keep_alive has run out. The caller knows
-    /// that no request waits for or runs on the GPU. Returns whether it began the unload.
-    pub fn unload_if_expired(&self) -> bool {
-        self.unload(None).is_some()
-    }
-
-    /// Unloads the GPU's copy of the model now, whatever its keep_alive, to make room for
-    /// `for_model` on a shared GPU. The caller knows that no request waits for or runs on it.
-    /// Returns the worker leaving, whose exit frees the memory.
-    pub fn evict(&self, for_model: &str) -> Option<Arc<Worker>> {
-        self.unload(Some(for_model))
-    }
-
-    /// An unload for its keep_alive (`evicted_for` None) or an eviction.
-    fn unload(&self, evicted_for: Option<&str>) -> Option<Arc<Worker>> {
+    /// Unloads the GPU's copy of the model: once its keep_alive has run out (`evicted_for`
+    /// None), or now, whatever its keep_alive, to make room for the model `evicted_for` on a
+    /// shared GPU. The caller knows that no request waits for or runs on the GPU. Returns the
+    /// worker leaving, whose exit frees the memory; `None` when nothing was unloaded.
+    pub fn unload(&self, evicted_for: Option<&str>) -> Option<Arc<Worker>> {
         if self.gpu_paused() || self.gpu_unloaded() || self.shutting_down() {
             return None;
         }
@@ -524,17 +514,23 @@ impl Supervisor {
 
     /// Whether the GPU's model is unloaded or loading again for a request (not a failure).
     pub fn gpu_loads_on_demand(&self) -> bool {
-        self.gpu_unloaded() || self.inner.residency.lock().unwrap().loading
+        self.on_demand(&self.inner.residency.lock().unwrap())
+    }
+
+    fn on_demand(&self, r: &Residency) -> bool {
+        self.gpu_unloaded() || r.loading
     }
 
     /// The expected time before an unloaded model can serve: its last load time.
     pub fn gpu_load_estimate_ms(&self) -> Option<f64> {
-        self.gpu_loads_on_demand().then(|| self.inner.residency.lock().unwrap().last_load_ms)
+        let r = self.inner.residency.lock().unwrap();
+        self.on_demand(&r).then_some(r.last_load_ms)
     }
 
     /// The last GPU worker's memory reading, kept while the model is unloaded or loading.
     pub fn unloaded_gpu_reading(&self) -> Option<headroom_worker::MemoryReading> {
-        self.gpu_loads_on_demand().then(|| self.inner.residency.lock().unwrap().last_reading.clone()).flatten()
+        let r = self.inner.residency.lock().unwrap();
+        self.on_demand(&r).then(|| r.last_reading.clone()).flatten()
     }
 
     /// The worker that loaded the model again is ready, or its launch failed.
