@@ -98,8 +98,8 @@ impl Role {
     }
 }
 
-/// A model the service serves beside the first one: its own workers and dispatcher, on the
-/// GPU they share.
+/// A model the service serves: its own workers and dispatcher, on the GPU the served models
+/// share.
 #[derive(Clone)]
 pub struct ServedModel {
     pub dispatcher: Dispatcher,

@@ -515,7 +515,6 @@ pub async fn run(
         if entries.len() > 1 {
             dispatcher.share_gpu(&share, &model_id, primary.pin);
         }
-        let mut supervisors = vec![supervisor.clone()];
         for entry in &entries[1..] {
             let dir = resolve_model(&entry.source);
             let other = ModelBundle::open(&dir).with_context(|| format!("cannot open the model {} ({}) of [[models]]", entry.source, dir.display()))?;
@@ -534,9 +533,9 @@ pub async fn run(
             let other_supervisor = Supervisor::start(config).await.with_context(|| format!("cannot start the workers of {id}"))?;
             let (planner, _) = headroom_memory::planner_for(&other, backend, memory.clone());
             let journal = Journal::open(&data_dir.join(format!("journal-{id}.sqlite")))?;
-            // Settings changed in the UI apply to the first model's workers; these keep the
-            // ones in force at start.
-            let (other_dispatcher, recovered) = Dispatcher::start(other_supervisor.clone(), journal, planner, memory.clone(), queues.clone(), settings.clone(), None)?;
+            // Settings changed in the UI reach this dispatcher through the server (all but
+            // the fallback model and the layer count); nothing saves them from here.
+            let (other_dispatcher, recovered) = Dispatcher::start(other_supervisor, journal, planner, memory.clone(), queues.clone(), settings.clone(), None)?;
             if !recovered.is_empty() {
                 eprintln!("headroom: {id}: the journal held {} unfinished requests from the last run", recovered.len());
             }
@@ -548,7 +547,6 @@ pub async fn run(
                 model_id: id,
                 role: entry.role,
             });
-            supervisors.push(other_supervisor);
         }
         let state = Arc::new(AppState {
             dispatcher: dispatcher.clone(),
@@ -602,8 +600,8 @@ pub async fn run(
         if left > 0 {
             eprintln!("headroom: {left} requests still running are left in the journal; the next start re-runs them");
         }
-        for s in supervisors {
-            s.shutdown().await;
+        for m in &served {
+            m.dispatcher.supervisor().shutdown().await;
         }
         Ok(())
     }
