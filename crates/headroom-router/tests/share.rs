@@ -135,3 +135,71 @@ async fn a_shared_gpu_killed_at_full_load_loses_nothing_of_either_model() {
         d.supervisor().shutdown().await;
     }
 }
+
+/// Model A's CPU-path request holds host RAM while B has none running: what B's admission sees
+/// held on the host (its status' `host_reserved_bytes`), and A's grant.
+async fn host_held_beside(defect: Option<Defect>) -> (u64, u64) {
+    let workers = Arc::new(Workers::default());
+    let share = GpuShare::new();
+    let a = model(&workers, &share, "a", true, false, defect).await;
+    let b = model(&workers, &share, "b", false, false, defect).await;
+    // The GPU paused: A's request runs on the CPU, holding host RAM for its KV cache.
+    a.supervisor().set_gpu_paused(true);
+    let ticket = a.submit(submission("a-cpu", prompt(0), 400, false)).unwrap();
+    until(10, "A's request runs on the CPU", || a.queues().iter().any(|q| q.device == Lane::Cpu && q.running == 1)).await;
+    let seen = (b.status().host_reserved_bytes, a.status().host_reserved_bytes);
+    ticket.cancel();
+    for d in [a, b] {
+        d.supervisor().shutdown().await;
+    }
+    seen
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_models_share_one_host_ram_ledger() {
+    let (b_sees, a_holds) = host_held_beside(None).await;
+    assert!(a_holds > 0, "A's CPU-path request holds host RAM");
+    assert_eq!(b_sees, a_holds, "B's admission counts A's host RAM grant: the host is one machine");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_a_host_ledger_per_model_is_caught() {
+    let (b_sees, a_holds) = host_held_beside(Some(Defect::HostShareIgnored)).await;
+    assert!(a_holds > 0);
+    assert_eq!(b_sees, 0, "with a ledger per model, B sees nothing of A's grant (the defect the test above catches)");
+}
+
+/// A's GPU worker dies while A is idle, and B's request arrives while A restarts: whether both
+/// models ever held a GPU worker at once, and where B's request ran.
+async fn request_beside_a_restart(defect: Option<Defect>) -> (bool, Device) {
+    let workers = Arc::new(Workers::default());
+    let share = GpuShare::new();
+    let a = model(&workers, &share, "a", true, false, defect).await;
+    let b = model(&workers, &share, "b", false, false, defect).await;
+    let (overlap, stop) = watch_overlap(&a, &b);
+    workers.kill_latest(Device::Sim);
+    until(10, "A's dead GPU worker noticed", || !loaded(&a)).await;
+    let e = ends(vec![b.submit(submission("b-1", prompt(0), 8, false)).unwrap()]).await;
+    assert!(e.lost.is_empty(), "{:?}", e.lost);
+    until(10, "A's GPU worker back", || loaded(&a)).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    stop.store(true, Ordering::SeqCst);
+    let both = overlap.load(Ordering::SeqCst);
+    for d in [a, b] {
+        d.supervisor().shutdown().await;
+    }
+    (both, e.completed[0].outcome.device)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarting_model_keeps_its_place_on_the_gpu() {
+    let (both, device) = request_beside_a_restart(None).await;
+    assert!(!both, "B loaded while A's worker restarted, and A came back beside it: over the budget");
+    assert_eq!(device, Device::Cpu, "B's request found no room beside restarting A");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_a_restart_counted_as_nothing_is_caught() {
+    let (both, _) = request_beside_a_restart(Some(Defect::RestartingModelUncounted)).await;
+    assert!(both, "with a restarting model counted as nothing, B loads beside it (the defect the test above catches)");
+}

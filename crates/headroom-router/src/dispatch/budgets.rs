@@ -86,28 +86,18 @@ impl Dispatcher {
     }
 
     pub(super) fn host_budget(&self) -> Budget {
-        let ledger = &self.inner.host_ledger;
+        let ledger = self.inner.host_ledger();
         let host = headroom_memory::observe::host_memory();
         // The ledger's capacity already leaves the reserve out; the budget names the reserve
         // (for reasons) and keeps it out of live free RAM too.
         let reserve = host.map(|h| self.inner.memory.host_reserve_bytes(h.total_bytes)).unwrap_or(0);
-        // The CPU worker's weights as it reports holding them (packed GGUF tensors stay packed),
-        // so the predicted budget is what requests can have beside the loaded model, not only
-        // what the OS sees free.
-        // Its prefix cache holds blocks of finished requests beside them (at most its
-        // configured size).
-        let cpu_weights = self
-            .inner
-            .supervisor
-            .cpu_worker()
-            .and_then(|w| w.memory().borrow().as_ref().map(|r| r.weights_bytes + r.prefix_cache.map_or(0, |p| p.bytes)))
-            .unwrap_or(0);
-        // A split GPU worker holds its CPU part's weights in host RAM too.
-        let split_weights = self.inner.supervisor.gpu_worker().and_then(|w| w.memory().borrow().as_ref().map(|r| r.host_weights_bytes)).unwrap_or(0);
+        // With several models, the others' workers hold theirs on the same host; the ledger
+        // (shared) has every model's grants.
+        let others: u64 = if self.host_share_ignored() { 0 } else { self.others().iter().map(|(o, _)| o.host_weights_bytes()).sum() };
         Budget {
             total_bytes: ledger.capacity_bytes() + reserve,
             reserve_bytes: reserve,
-            weights_bytes: cpu_weights + split_weights,
+            weights_bytes: self.inner.host_weights_bytes() + others,
             held_bytes: ledger.held_bytes(),
             observed_free_bytes: host.map(|h| h.available_bytes),
         }

@@ -52,7 +52,7 @@ impl Dispatcher {
             m.host_total_bytes.set(bytes(host.total_bytes));
             m.host_available_bytes.set(bytes(host.available_bytes));
         }
-        m.host_reserved_bytes.set(bytes(inner.host_ledger.held_bytes()));
+        m.host_reserved_bytes.set(bytes(inner.host_ledger().held_bytes()));
         let cpu_reading = inner.supervisor.cpu_worker().and_then(|w| w.memory().borrow().clone());
         if let Some(resident) = cpu_reading.as_ref().and_then(|r| r.kv_resident_bytes) {
             m.cpu_kv_resident_bytes.set(bytes(resident));

@@ -62,8 +62,9 @@ struct Inner {
     settings_file: Option<SettingsFile>,
     /// One settings change at a time.
     updating_settings: tokio::sync::Mutex<()>,
-    /// Host RAM held by CPU-path requests, so redirects never exhaust it.
-    host_ledger: Ledger,
+    /// Host RAM held by CPU-path requests, so redirects never exhaust it. Several models share
+    /// one (the first's: see [`Dispatcher::share_gpu`]): the host is one machine.
+    host_ledger: std::sync::RwLock<Ledger>,
     /// GPU memory the router has granted to requests it started, from the moment it grants it:
     /// the worker's memory samples arrive a second apart, and admissions in between must see
     /// what earlier ones took. Its capacity is unbounded; the budget check decides.
@@ -103,6 +104,12 @@ pub enum Defect {
     UnloadedModelRedirects,
     /// Admission on a GPU shared by several models counts this model alone, and never evicts.
     GpuShareIgnored,
+    /// Each of several models keeps its own host RAM ledger: their CPU-path grants and CPU
+    /// workers' weights are not counted against each other.
+    HostShareIgnored,
+    /// On a shared GPU, a model whose worker is restarting (after a failure, or when the GPU
+    /// resumes) counts nothing, so another model loads meanwhile and ends beside it.
+    RestartingModelUncounted,
 }
 
 /// A request that has been launched and has not ended.
@@ -170,7 +177,7 @@ impl Dispatcher {
             settings: Mutex::new(settings),
             settings_file,
             updating_settings: tokio::sync::Mutex::new(()),
-            host_ledger: Ledger::new("host", host_total.saturating_sub(memory.host_reserve_bytes(host_total))),
+            host_ledger: std::sync::RwLock::new(Ledger::new("host", host_total.saturating_sub(memory.host_reserve_bytes(host_total)))),
             gpu_ledger: Ledger::new("gpu", u64::MAX),
             gpu_grant: Mutex::new(()),
             memory,

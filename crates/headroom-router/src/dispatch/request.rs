@@ -245,7 +245,7 @@ impl Dispatcher {
             Lane::Gpu => self.planner().split_host_footprint(shape).map(|f| (f.request_bytes(), "the split model's CPU layers")),
         };
         let host_reservation = match host_bytes {
-            Some((bytes, what)) => match self.inner.host_ledger.try_reserve(id, bytes) {
+            Some((bytes, what)) => match self.inner.host_ledger().try_reserve(id, bytes) {
                 Ok(r) => Some(r),
                 Err(e) => {
                     lane.waiting.fetch_sub(1, Ordering::SeqCst);
@@ -279,7 +279,7 @@ impl Dispatcher {
         }
         let bytes = self.planner().host_footprint(shape).request_bytes();
         loop {
-            match self.inner.host_ledger.try_reserve(id, bytes) {
+            match self.inner.host_ledger().try_reserve(id, bytes) {
                 Ok(r) => return Ok(r),
                 Err(e) => tracing::warn!(request_id = id, error = %e, "failover waits for host RAM"),
             }

@@ -18,6 +18,8 @@ struct ShareInner {
     members: Vec<Seat>,
     /// Workers unloaded or evicted and not gone yet.
     leaving: Vec<Arc<crate::Worker>>,
+    /// The host RAM ledger every member's CPU-path requests reserve from.
+    host: Option<Ledger>,
 }
 
 struct Seat {
@@ -40,13 +42,22 @@ impl GpuShare {
 impl Dispatcher {
     /// Joins `share` as the model `name`: from now on admission counts what the share's other
     /// models hold on the GPU, and may evict them when idle. A `pinned` model is never evicted.
+    ///
+    /// The models share the host too: from now on this one's CPU-path grants go to the share's
+    /// host RAM ledger (the first member's), so no two models grant the same free RAM.
     pub fn share_gpu(&self, share: &GpuShare, name: &str, pinned: bool) {
-        share.inner.lock().unwrap().members.push(Seat { pinned, dispatcher: Arc::downgrade(&self.inner) });
+        let mut members = share.inner.lock().unwrap();
+        let host = members.host.get_or_insert_with(|| self.inner.host_ledger()).clone();
+        if !self.host_share_ignored() {
+            *self.inner.host_ledger.write().unwrap() = host;
+        }
+        members.members.push(Seat { pinned, dispatcher: Arc::downgrade(&self.inner) });
+        drop(members);
         *self.inner.share.lock().unwrap() = Some(Membership { share: share.clone(), name: name.to_string() });
     }
 
     /// The other models of this one's share, with whether each is pinned.
-    fn others(&self) -> Vec<(Arc<Inner>, bool)> {
+    pub(super) fn others(&self) -> Vec<(Arc<Inner>, bool)> {
         let Some(share) = self.inner.share.lock().unwrap().as_ref().map(|m| m.share.clone()) else { return Vec::new() };
         let members = share.inner.lock().unwrap();
         members
@@ -82,6 +93,12 @@ impl Dispatcher {
         own
     }
 
+    /// What this model holds on its GPU now: its weights and its requests' grants (nothing while
+    /// unloaded; while loading, the weights it is about to take).
+    pub fn held_on_gpu(&self) -> (u64, u64) {
+        self.inner.held_on_gpu()
+    }
+
     /// Evicts idle models of the share, least recently used first, until `needs` bytes fit;
     /// only when evicting every idle one would make them fit. Returns whether it evicted any.
     pub(super) fn evict_for(&self, needs: u64) -> bool {
@@ -112,6 +129,11 @@ impl Dispatcher {
         self.has_defect(Defect::GpuShareIgnored) || headroom_model::test_defect("gpu-share-ignored")
     }
 
+    /// Test-only: the defect the host share's test guards against.
+    pub(super) fn host_share_ignored(&self) -> bool {
+        self.has_defect(Defect::HostShareIgnored)
+    }
+
     /// Waits until the workers unloaded or evicted from this model's share have exited (their
     /// exit frees the memory a load is about to take), up to the load timeout.
     pub(super) async fn wait_for_departures(&self, cancel: &CancelSignal) {
@@ -132,6 +154,20 @@ impl Dispatcher {
 }
 
 impl Inner {
+    /// The host RAM ledger this model's CPU-path requests reserve from.
+    pub(super) fn host_ledger(&self) -> Ledger {
+        self.host_ledger.read().unwrap().clone()
+    }
+
+    /// Host RAM the model's workers hold beside requests: the CPU worker's weights as it
+    /// reports holding them (packed GGUF tensors stay packed) and its prefix cache (blocks of
+    /// finished requests, at most its configured size), and a split GPU worker's CPU part.
+    pub(super) fn host_weights_bytes(&self) -> u64 {
+        let cpu = self.supervisor.cpu_worker().and_then(|w| w.memory().borrow().as_ref().map(|r| r.weights_bytes + r.prefix_cache.map_or(0, |p| p.bytes))).unwrap_or(0);
+        let split = self.supervisor.gpu_worker().and_then(|w| w.memory().borrow().as_ref().map(|r| r.host_weights_bytes)).unwrap_or(0);
+        cpu + split
+    }
+
     /// The model's weights on its GPU and what its requests were granted there, now: nothing
     /// once unloaded; while loading again, the weights it is about to take.
     pub(super) fn held_on_gpu(&self) -> (u64, u64) {
@@ -142,6 +178,12 @@ impl Inner {
         let reading = match s.gpu_worker() {
             Some(worker) => worker.memory().borrow().clone(),
             None if s.gpu_loads_on_demand() => s.unloaded_gpu_reading(),
+            // Paused: its worker is gone until the GPU resumes.
+            None if s.gpu_paused() => return (0, 0),
+            // Restarting after a failure or a resume: the launch is not admitted, so the weights
+            // it is about to take count from now on (another model loading meanwhile would end
+            // beside it, over the budget).
+            None if !self.defects.lock().unwrap().contains(&Defect::RestartingModelUncounted) => s.last_gpu_reading(),
             None => return (0, 0),
         };
         let weights = reading.as_ref().map_or_else(|| self.planner.shape.weights_bytes(), |r| r.weights_bytes);
@@ -149,7 +191,8 @@ impl Inner {
         (weights, held)
     }
 
-    /// Loaded on the GPU with nothing waiting for or running on it.
+    /// Loaded on the GPU with nothing waiting for or running on it (a model whose worker is
+    /// restarting is not: its launch is under way, and it counts as held).
     fn evictable(&self) -> bool {
         self.supervisor.gpu_worker().is_some() && !self.supervisor.gpu_unloaded() && self.gpu_lane_idle()
     }

@@ -200,7 +200,7 @@ impl Dispatcher {
             gpu_memory,
             gpu_budget: self.gpu_budget(),
             cpu_prefix_cache: s.cpu_worker().and_then(|w| w.memory().borrow().as_ref().and_then(|r| r.prefix_cache)),
-            host_reserved_bytes: self.inner.host_ledger.held_bytes(),
+            host_reserved_bytes: self.inner.host_ledger().held_bytes(),
             cpu_kv_resident_bytes: s.cpu_worker().and_then(|w| w.memory().borrow().as_ref().and_then(|r| r.kv_resident_bytes)),
             gpu_kv,
             gpu_residency: s.gpu_residency(),

@@ -155,6 +155,10 @@ impl Supervisor {
     }
 
     pub(super) fn clear_gpu(&self, worker: &Arc<Worker>) {
+        // Its successor takes about as much: a GPU shared with other models keeps its place.
+        if let Some(reading) = worker.memory().borrow().clone() {
+            self.inner.residency.lock().unwrap().last_reading = Some(reading);
+        }
         let mut slot = self.inner.gpu.write().unwrap();
         if slot.as_ref().is_some_and(|w| Arc::ptr_eq(w, worker)) {
             *slot = None;

@@ -533,6 +533,12 @@ impl Supervisor {
         self.on_demand(&r).then(|| r.last_reading.clone()).flatten()
     }
 
+    /// The latest memory reading of a GPU worker no longer running (exited, unloaded): what
+    /// the next launch will take, about.
+    pub fn last_gpu_reading(&self) -> Option<headroom_worker::MemoryReading> {
+        self.inner.residency.lock().unwrap().last_reading.clone()
+    }
+
     /// The worker that loaded the model again is ready, or its launch failed.
     pub(super) fn loaded(&self) {
         self.inner.residency.lock().unwrap().loading = false;
@@ -725,7 +731,7 @@ impl Supervisor {
             Some(device) => return Err(Error::Invalid(format!("fault injection needs --gpu sim; the GPU worker is {device}"))),
             None => return Err(Error::Invalid("fault injection needs --gpu sim; no GPU worker is configured".into())),
         }
-        let environment = matches!(fault, Fault::Compete { .. } | Fault::Slowdown { .. } | Fault::Clear);
+        let environment = fault.is_environment();
         if environment {
             let mut env = self.inner.sim_environment.lock().unwrap();
             match &fault {
