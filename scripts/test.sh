@@ -63,12 +63,12 @@ if ./target/debug/headroom pressure --profile ci --gpu sim --model kjv-demo --co
 fi
 grep -q "pressure run failed: zero duplicate side effects" target/pressure-control.log
 
-step "pressure negative control: with admission blind to the other models sharing the GPU, their weights must pass its budget and the run must fail"
+step "pressure negative control: with admission blind to the other models sharing the GPU, what they hold must pass its budget and the run must fail"
 if ./target/debug/headroom pressure --profile ci --gpu sim --model kjv-demo --control gpu-share-ignored --out target/pressure-control-models 2>&1 | tee target/pressure-control-models.log; then
   echo "the negative control passed: the several-models criterion cannot fail"
   exit 1
 fi
-grep -q "pressure run failed: several models: their weights on the GPU passed" target/pressure-control-models.log
+grep -q "pressure run failed: several models: the models and the competing program on the GPU passed" target/pressure-control-models.log
 
 step "bench: decode tokens/s as the sim GPU's share of the model's layers varies (headroom model split-bench; reported, never a pass criterion)"
 ./target/debug/headroom model split-bench kjv-demo --runs 2 | tee target/split-bench.jsonl

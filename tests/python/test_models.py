@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 import threading
+import time
 
 import pytest
 
@@ -133,3 +134,50 @@ def test_pausing_the_gpu_in_settings_pauses_it_for_every_model(two_models):
             assert r.headers["x-headroom-device"] == "cpu", f"{name} still ran on the paused GPU"
     finally:
         assert httpx.patch(two_models.url + "/v1/settings", json={"gpu_paused": False}, timeout=60).status_code == 200
+
+
+def test_a_competing_program_bites_every_model_on_the_shared_gpu(two_models):
+    """A sim fault of the device's surroundings without a `model` goes to every model, and to
+    the workers launched later: the competitor is on the GPU, not in one model's worker."""
+    mib = 1024 * 1024
+    # A GPU worker starting again (the GPU resumed in the test before) takes requests only when
+    # ready: each model is loaded with its worker up, or unloaded.
+    deadline = time.time() + 30
+    while not all(m["gpu_pid"] or m["gpu_residency"]["state"] == "unloaded" for m in two_models.status()["models"]):
+        assert time.time() < deadline, two_models.status()["models"]
+        time.sleep(0.1)
+    r = httpx.post(two_models.url + "/admin/sim/fault", json={"fault": "compete", "mib": 2}, timeout=30)
+    assert r.status_code == 200 and r.json()["models"] == ["kjv-demo", "kjv-embed"], r.text
+    try:
+        for name, call in [("kjv-embed", embed), ("kjv-demo", chat)]:
+            r = call(two_models.url, name)
+            assert r.status_code == 200 and r.headers["x-headroom-device"] == "sim", r.text
+            # The worker that loaded the model for this request holds the competitor too.
+            deadline = time.time() + 10
+            while True:
+                s = two_models.status()
+                entry = next(m for m in s["models"] if m["id"] == name)
+                if entry["state"] == "gpu" and s["memory"]["gpu_other_bytes"] == 2 * mib:
+                    break
+                assert time.time() < deadline, (name, s["memory"], entry)
+                time.sleep(0.1)
+            assert entry["gpu_weights_bytes"] > 0 and entry["degraded"] is False, entry
+    finally:
+        assert httpx.post(two_models.url + "/admin/sim/fault", json={"fault": "compete", "mib": 0}, timeout=30).status_code == 200
+
+
+def test_metrics_label_every_sample_with_its_model(two_models):
+    """With several models, /metrics holds each model's dispatcher metrics with a `model`
+    label, each family once: the official Prometheus client's OpenMetrics parser reads it
+    (it refuses a family split in two or given twice)."""
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    assert chat(two_models.url, "kjv-demo").status_code == 200
+    assert embed(two_models.url, "kjv-embed").status_code == 200
+    families = list(text_string_to_metric_families(httpx.get(two_models.url + "/metrics", timeout=10).text))
+    names = [f.name for f in families]
+    assert len(names) == len(set(names)), names
+    requests = next(f for f in families if f.name == "headroom_requests")
+    assert {s.labels["model"] for s in requests.samples} == {"kjv-demo", "kjv-embed"}, requests.samples
+    unlabelled = [(f.name, s) for f in families for s in f.samples if "model" not in s.labels]
+    assert not unlabelled, unlabelled[:3]

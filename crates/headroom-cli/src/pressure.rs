@@ -1507,16 +1507,17 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
             },
         },
         Criterion {
-            name: "several models: each took the GPU in turn by evicting the idle others; their weights there never passed capacity less the reserve".into(),
-            passed: shared_run.as_ref().is_none_or(|r| r.evictions > 0 && r.on_gpu.iter().all(|(_, n)| *n > 0) && r.peak_weights_mib <= r.limit_mib + 1e-6),
+            name: "several models: each took the GPU in turn by evicting the idle others, the last beside a competing program; the models and that program there never passed capacity less the reserve".into(),
+            passed: shared_run.as_ref().is_none_or(|r| r.evictions > 0 && r.on_gpu.iter().all(|(_, n)| *n > 0) && r.peak_gpu_mib <= r.limit_mib + 1e-6),
             detail: match &shared_run {
                 Some(r) => format!(
-                    "{} evictions; loads per model: {}; requests that ran on the GPU per model: {}; p95 latency per model: {}; the models' weights on the GPU peaked at {:.1} MiB (capacity less the reserve: {:.0} MiB); {} requests, none lost (see the first criterion)",
+                    "{} evictions; loads per model: {}; requests that ran on the GPU per model: {}; p95 latency per model: {}; a competing program of {} MiB in the last wave; the models (weights and grants) and the competitor on the GPU peaked at {:.1} MiB (capacity less the reserve: {:.0} MiB); {} requests, none lost (see the first criterion)",
                     r.evictions,
                     r.loads.iter().map(|(m, n)| format!("{m} {n}")).collect::<Vec<_>>().join(", "),
                     r.on_gpu.iter().map(|(m, n)| format!("{m} {n}")).collect::<Vec<_>>().join(", "),
                     r.latency_ms.iter().map(|(m, _, p95)| format!("{m} {p95:.0} ms")).collect::<Vec<_>>().join(", "),
-                    r.peak_weights_mib,
+                    r.competitor_mib,
+                    r.peak_gpu_mib,
                     r.limit_mib,
                     records.iter().filter(|x| x.scenario == "models_share_gpu").count()
                 ),
@@ -1547,7 +1548,7 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
             }
             _ => json!({"available": false}),
         },
-        "several_models": shared_run.as_ref().map(|r| json!({"models": r.models, "evictions": r.evictions, "loads": r.loads, "on_gpu": r.on_gpu, "latency_ms_p50_p95": r.latency_ms, "peak_weights_mib": r.peak_weights_mib, "limit_mib": r.limit_mib})),
+        "several_models": shared_run.as_ref().map(|r| json!({"models": r.models, "evictions": r.evictions, "loads": r.loads, "on_gpu": r.on_gpu, "latency_ms_p50_p95": r.latency_ms, "competitor_mib": r.competitor_mib, "peak_gpu_mib": r.peak_gpu_mib, "limit_mib": r.limit_mib})),
         "note": if sim { sim_note } else { "CUDA GPU" },
         "skipped": notes,
     });
@@ -1873,9 +1874,9 @@ fn shared_gpu_control(runtime: &tokio::runtime::Runtime, args: &PressureArgs, ou
     let (clock, timeline): (Clock, SharedTimeline) = (Clock(Instant::now()), Arc::default());
     let (mut records, mut recoveries) = (Vec::new(), Vec::new());
     let run = runtime.block_on(shared_gpu_waves(&model_dir, args.gpu, &sizing, &out.join("models-server"), &clock, &timeline, scale, scale.max_tokens, &mut records, &mut recoveries, &[("HEADROOM_TEST_DEFECT", "gpu-share-ignored")]))?;
-    println!("negative control GpuShareIgnored: the models' weights on the GPU peaked at {:.1} MiB; capacity less the reserve is {:.0} MiB", run.peak_weights_mib, run.limit_mib);
-    if run.peak_weights_mib > run.limit_mib {
-        bail!("pressure run failed: several models: their weights on the GPU passed capacity less the reserve ({:.1} > {:.0} MiB with GpuShareIgnored, as a negative control must)", run.peak_weights_mib, run.limit_mib);
+    println!("negative control GpuShareIgnored: the models and the competing program on the GPU peaked at {:.1} MiB; capacity less the reserve is {:.0} MiB", run.peak_gpu_mib, run.limit_mib);
+    if run.peak_gpu_mib > run.limit_mib {
+        bail!("pressure run failed: several models: the models and the competing program on the GPU passed capacity less the reserve ({:.1} > {:.0} MiB with GpuShareIgnored, as a negative control must)", run.peak_gpu_mib, run.limit_mib);
     }
     println!("the negative control stayed within the budget: the several-models criterion cannot fail");
     Ok(())
@@ -1892,9 +1893,12 @@ struct SharedRun {
     loads: Vec<(String, u64)>,
     /// Each model's completed requests' p50 and p95 latency, ms.
     latency_ms: Vec<(String, f64, f64)>,
-    /// The largest sum of the models' weights on the GPU seen, every 50 ms.
-    peak_weights_mib: f64,
+    /// The most seen on the GPU, every 50 ms: what admission charged the models there (weights
+    /// and grants) with the competing program's memory.
+    peak_gpu_mib: f64,
     limit_mib: f64,
+    /// The competing program of the last wave (0: none fitted).
+    competitor_mib: u64,
 }
 
 /// Copies a model (a .gguf file or a folder) to `dir/NAME-SUFFIX`, so one server can serve it
@@ -1919,8 +1923,9 @@ fn copy_model(model_dir: &Path, dir: &Path, suffix: &str) -> Result<PathBuf> {
 }
 
 /// The several-models scenario: waves of requests, one model at a time (chat A, embeddings C,
-/// chat B, chat A again), each started while another model holds the GPU; once the wave's model
-/// has its GPU slots full with requests queued behind them, its GPU worker gets kill -9.
+/// chat B, chat A again, chat B beside a competing program), each started while another model
+/// holds the GPU; once the wave's model has its GPU slots full with requests queued behind
+/// them, its GPU worker gets kill -9.
 #[allow(clippy::too_many_arguments)]
 async fn shared_gpu_waves(model_dir: &Path, gpu: PressureGpu, sizing: &Sizing, dir: &Path, clock: &Clock, timeline: &SharedTimeline, scale: Scale, max_tokens: u32, records: &mut Vec<Record>, recoveries: &mut Vec<Recovery>, env: &[(&str, &str)]) -> Result<SharedRun> {
     let second = copy_model(model_dir, &dir.join("models"), "b")?;
@@ -1933,7 +1938,11 @@ async fn shared_gpu_waves(model_dir: &Path, gpu: PressureGpu, sizing: &Sizing, d
     }
     let limit_mib = (sizing.sim_vram_mib - sizing.reserve_mib) as f64;
     let first = records.len();
-    let waves = [0usize, 2, 1, 0];
+    // The last wave runs beside a competing program that leaves one model's requests room for
+    // one short request (in whole MiB): admission for each model counts it with the other
+    // models' holdings, and the wave's model still evicts the idle one to run.
+    let competitor_mib = (sizing.room_mib - sizing.short_request_mib).floor().max(0.0) as u64;
+    let waves = [0usize, 2, 1, 0, 1];
     let sampling = Arc::new(std::sync::atomic::AtomicBool::new(true));
     let peak = Arc::new(Mutex::new(0.0f64));
     let sampler = {
@@ -1942,9 +1951,12 @@ async fn shared_gpu_waves(model_dir: &Path, gpu: PressureGpu, sizing: &Sizing, d
             while sampling.load(std::sync::atomic::Ordering::SeqCst) {
                 if let Ok(response) = http.get(format!("{base}/v1/status")).send().await {
                     if let Ok(s) = response.json::<Value>().await {
-                        let weights: f64 = s["models"].as_array().into_iter().flatten().filter_map(|m| m["resident_bytes"]["gpu"].as_f64()).sum();
+                        // What admission charges each model there (weights and grants), and the
+                        // competing program.
+                        let models: f64 = s["models"].as_array().into_iter().flatten().map(|m| m["gpu_weights_bytes"].as_f64().unwrap_or(0.0) + m["gpu_held_bytes"].as_f64().unwrap_or(0.0)).sum();
+                        let other = s["memory"]["gpu_other_bytes"].as_f64().unwrap_or(0.0);
                         let mut p = peak.lock().unwrap();
-                        *p = p.max(weights / MIB as f64);
+                        *p = p.max((models + other) / MIB as f64);
                     }
                 }
                 tokio::time::sleep(Duration::from_millis(50)).await;
@@ -1955,6 +1967,13 @@ async fn shared_gpu_waves(model_dir: &Path, gpu: PressureGpu, sizing: &Sizing, d
         let model = models[m].clone();
         let embedding = m == 2;
         let stream = wave % 2 == 1;
+        let competing = wave == waves.len() - 1 && competitor_mib > 0;
+        let fault = if competing { "competitor_evict_then_kill_9" } else { "evict_then_kill_9" };
+        if competing {
+            // A device-wide fault: every model's sim GPU worker, and the ones launched later, see it.
+            mark(timeline, clock, format!("several models: a competing program takes {competitor_mib} MiB of the shared GPU"));
+            server.fault(json!({"fault": "compete", "mib": competitor_mib})).await?;
+        }
         let shots: Vec<Shot> = (0..scale.full_load)
             .map(|i| {
                 let verse = VERSES[i % VERSES.len()];
@@ -1962,7 +1981,7 @@ async fn shared_gpu_waves(model_dir: &Path, gpu: PressureGpu, sizing: &Sizing, d
                 Shot {
                     scenario: "models_share_gpu",
                     class: if embedding { "embedding" } else { "short" },
-                    fault: "evict_then_kill_9",
+                    fault,
                     stream: !embedding && stream && i % 2 == 0,
                     prompt_key: format!("models-{model}:{}", i % VERSES.len()),
                     body,
@@ -2012,8 +2031,12 @@ async fn shared_gpu_waves(model_dir: &Path, gpu: PressureGpu, sizing: &Sizing, d
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         };
-        recoveries.push(Recovery { fault: "evict_then_kill_9".into(), stream, restored, recovery_ms: restored.then(|| clock.ms() - fired_at) });
+        recoveries.push(Recovery { fault: fault.into(), stream, restored, recovery_ms: restored.then(|| clock.ms() - fired_at) });
         server.fault(json!({"fault": "clear", "model": model})).await?;
+        if competing {
+            server.fault(json!({"fault": "compete", "mib": 0})).await?;
+            mark(timeline, clock, "several models: the competing program released");
+        }
     }
     sampling.store(false, std::sync::atomic::Ordering::SeqCst);
     let _ = sampler.await;
@@ -2043,6 +2066,6 @@ async fn shared_gpu_waves(model_dir: &Path, gpu: PressureGpu, sizing: &Sizing, d
         })
         .collect();
     server.stop().await;
-    let peak_weights_mib = *peak.lock().unwrap();
-    Ok(SharedRun { models, evictions, on_gpu, loads, latency_ms, peak_weights_mib, limit_mib })
+    let peak_gpu_mib = *peak.lock().unwrap();
+    Ok(SharedRun { models, evictions, on_gpu, loads, latency_ms, peak_gpu_mib, limit_mib, competitor_mib })
 }

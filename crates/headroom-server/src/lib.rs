@@ -4,6 +4,7 @@
 
 pub mod embeddings;
 pub mod error;
+mod exposition;
 pub mod ollama;
 pub mod openai;
 pub mod sse;

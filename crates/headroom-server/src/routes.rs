@@ -633,6 +633,19 @@ pub struct StatusBody {
     pub models: Vec<Value>,
 }
 
+/// The GPU memory none of the served models holds: a driver's reading counts every process, so
+/// the used bytes less what each model holds; the sim GPU's reading is one worker's own, whose
+/// competing workload stands for the other programs. From the first model with a GPU worker.
+fn gpu_other_bytes(state: &Arc<AppState>) -> Option<u64> {
+    let served = state.served();
+    let reading = served.iter().find_map(|m| m.dispatcher.supervisor().gpu_worker().and_then(|w| w.memory().borrow().clone()))?;
+    if reading.simulated {
+        return Some(reading.competing_bytes);
+    }
+    let models: u64 = served.iter().map(|m| m.dispatcher.held_on_gpu()).map(|(w, h)| w + h).sum();
+    Some(reading.used_bytes?.saturating_sub(models))
+}
+
 fn status_body(state: &Arc<AppState>) -> StatusBody {
     let s = state.dispatcher.status();
     let breaker = serde_json::to_value(s.breaker).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
@@ -657,6 +670,9 @@ fn status_body(state: &Arc<AppState>) -> StatusBody {
         // requests hold (the larger of the router's grants and the worker's last sample).
         "vram_reserve_bytes": s.gpu_budget.map(|b| b.reserve_bytes),
         "gpu_held_bytes": s.gpu_budget.map(|b| b.held_bytes),
+        // What anything but the served models holds on the GPU: other programs (the sim GPU's
+        // competing workload) and allocator slack.
+        "gpu_other_bytes": gpu_other_bytes(state),
         "host": headroom_memory::observe::host_memory(),
         // Host RAM admission reserved for CPU-path requests, and the CPU worker's KV blocks
         // alive: reserved against used.
@@ -695,15 +711,24 @@ fn status_body(state: &Arc<AppState>) -> StatusBody {
             .iter()
             .map(|m| {
                 let now = served_model_now(m);
+                let (gpu_weights, gpu_held) = m.dispatcher.held_on_gpu();
+                let degradation = m.dispatcher.status().degradation;
                 json!({
                     "id": m.model_id,
                     "role": m.role.as_str(),
                     "state": now.state,
                     "resident_bytes": now.resident_bytes,
+                    // What admission charges the model on the shared GPU: its weights (while
+                    // loading, those it is about to take) and its requests' grants.
+                    "gpu_weights_bytes": gpu_weights,
+                    "gpu_held_bytes": gpu_held,
                     "last_used_unix_ms": now.last_used_unix_ms,
                     "gpu_residency": m.dispatcher.supervisor().gpu_residency(),
                     "gpu_pid": m.dispatcher.supervisor().gpu_worker().map(|w| w.pid),
                     "breaker": m.dispatcher.supervisor().status().breaker,
+                    // Each model's own degraded mode: the tray and the page follow every model.
+                    "degraded": degradation.is_some(),
+                    "degraded_summary": degradation.map(|d| d.summary),
                     "queues": m.dispatcher.queues(),
                 })
             })
@@ -850,11 +875,18 @@ async fn readyz(State(state): Shared) -> Response {
 
 #[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text exposition")))]
 async fn metrics(State(state): Shared) -> Response {
-    let text = state.dispatcher.metrics_text();
-    // Per served model (several share the GPU), before the exposition's end marker.
-    let body = match text.strip_suffix("# EOF\n") {
-        Some(head) => format!("{head}{}# EOF\n", model_metrics(&state)),
-        None => text,
+    let served = state.served();
+    let body = if served.len() > 1 {
+        // Several models: each one's dispatcher metrics, every sample labelled with its model.
+        let parts: Vec<(String, String)> = served.iter().map(|m| (m.model_id.clone(), m.dispatcher.metrics_text())).collect();
+        crate::exposition::merge_by_model(&parts, &model_metrics(&state))
+    } else {
+        let text = state.dispatcher.metrics_text();
+        // The served model's residency, before the exposition's end marker.
+        match text.strip_suffix("# EOF\n") {
+            Some(head) => format!("{head}{}# EOF\n", model_metrics(&state)),
+            None => text,
+        }
     };
     ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], body).into_response()
 }
@@ -889,17 +921,22 @@ async fn openapi() -> Json<utoipa::openapi::OpenApi> {
 /// `{"fault": "reset", "after_tokens": 4}`, `{"fault": "clear"}`, ...).
 async fn sim_fault(State(state): Shared, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
     let (fault, raw): (Fault, Bytes) = parse_body(body)?;
-    // With several models, `"model"` names whose sim GPU worker takes it (default: the first).
+    // With several models, `"model"` names whose sim GPU worker takes it. Without it, a fault
+    // of the device's surroundings (a competing program, a slowdown, clear) bites every model,
+    // as they share the one GPU; any other goes to the first model's worker.
     let named = serde_json::from_slice::<Value>(&raw).ok().and_then(|v| v["model"].as_str().map(str::to_string));
-    let state = match named {
-        Some(model) => state.for_model(&model)?,
-        None => state,
+    let targets = match named {
+        Some(model) => vec![state.for_model(&model)?],
+        None if fault.is_environment() => state.served(),
+        None => vec![state],
     };
-    state
-        .dispatcher
-        .supervisor()
-        .inject_fault(fault.clone())
-        .await
-        .map_err(|e| ApiError::unavailable(format!("cannot inject the fault: {e}"), 1))?;
-    Ok(Json(json!({"injected": fault})))
+    for target in &targets {
+        target
+            .dispatcher
+            .supervisor()
+            .inject_fault(fault.clone())
+            .await
+            .map_err(|e| ApiError::unavailable(format!("cannot inject the fault into {}: {e}", target.model_id), 1))?;
+    }
+    Ok(Json(json!({"injected": fault, "models": targets.iter().map(|t| t.model_id.clone()).collect::<Vec<_>>()})))
 }

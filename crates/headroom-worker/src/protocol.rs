@@ -70,6 +70,15 @@ pub enum Fault {
     Clear,
 }
 
+impl Fault {
+    /// Whether the fault is of the device's surroundings (a competing program, a slowdown, or
+    /// clearing them) rather than of one worker: it outlives the worker, and on a GPU that
+    /// several models share it bites them all.
+    pub fn is_environment(&self) -> bool {
+        matches!(self, Fault::Compete { .. } | Fault::Slowdown { .. } | Fault::Clear)
+    }
+}
+
 /// Where a split model's layers run (see `headroom_model::split`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SplitLayers {
