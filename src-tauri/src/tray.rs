@@ -131,9 +131,8 @@ async fn follow_degraded(app: &AppHandle, tray: Option<&Tray>, shell: &Shell) ->
     let response = shell.call("GET", "/v1/events", None).await?;
     let mut body = response.into_body().into_data_stream();
     let mut buffer = Vec::new();
-    let mut degraded = false;
-    // What the person is told about the degradation (kept for the tooltip's later redraws).
-    let mut words = String::new();
+    // The models in degraded mode, with what the person is told (kept for the tooltip's redraws).
+    let mut degraded = DegradedModels::default();
     let mut paused = false;
     let mut layers = String::new();
     while let Some(chunk) = body.next().await {
@@ -147,7 +146,7 @@ async fn follow_degraded(app: &AppHandle, tray: Option<&Tray>, shell: &Shell) ->
                 Some("placement_changed") => {
                     layers = layers_note(&event);
                     if let Some(tray) = tray {
-                        show_state(tray, degraded, paused, &words, &layers);
+                        show_state(tray, degraded.any(), paused, &degraded.words(), &layers);
                     }
                     None
                 }
@@ -156,7 +155,7 @@ async fn follow_degraded(app: &AppHandle, tray: Option<&Tray>, shell: &Shell) ->
                     layers = layers_note(&event["placement"]);
                     if let Some(tray) = tray {
                         let _ = tray.pause_gpu.set_enabled(has_gpu);
-                        show_state(tray, degraded, paused, &words, &layers);
+                        show_state(tray, degraded.any(), paused, &degraded.words(), &layers);
                     }
                     event["gpu_paused"].as_bool()
                 }
@@ -165,30 +164,98 @@ async fn follow_degraded(app: &AppHandle, tray: Option<&Tray>, shell: &Shell) ->
             if let Some(now) = paused_now.filter(|p| *p != paused) {
                 paused = now;
                 if let Some(tray) = tray {
-                    show_state(tray, degraded, paused, &words, &layers);
+                    show_state(tray, degraded.any(), paused, &degraded.words(), &layers);
                 }
             }
-            // The first event is the status body (no `event` field), saying where the service
-            // stands; `degraded` events say when that changes.
-            let Some((now, reason)) = degraded_words(&event) else { continue };
-            if now == degraded {
+            // The first event is the status body (no `event` field), saying where each model
+            // stands; `degraded` events say when one model's changes.
+            let turns = degraded.follow(&event);
+            if turns.is_empty() {
                 continue;
             }
-            degraded = now;
-            words = if degraded { reason.clone() } else { String::new() };
             if let Some(tray) = tray {
-                show_state(tray, degraded, paused, &words, &layers);
+                show_state(tray, degraded.any(), paused, &degraded.words(), &layers);
             }
-            let title = if degraded { "Headroom: serving from the CPU" } else { "Headroom: GPU restored" };
-            let shown = catch_unwind(AssertUnwindSafe(|| app.notification().builder().title(title).body(&reason).show()));
-            match shown {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => tracing::warn!("notification not shown: {e}"),
-                Err(_) => tracing::warn!("notification not shown: the notification service failed"),
+            for turn in turns {
+                let title = degraded.title(&turn);
+                let shown = catch_unwind(AssertUnwindSafe(|| app.notification().builder().title(&title).body(&turn.words).show()));
+                match shown {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => tracing::warn!("notification not shown: {e}"),
+                    Err(_) => tracing::warn!("notification not shown: the notification service failed"),
+                }
             }
         }
     }
     Ok(())
+}
+
+/// The served models in degraded mode now, each with the words a person reads about it. Several
+/// models may share the GPU: the tray is degraded while any of them is, and names which. An
+/// eviction or a keep_alive unload is no degradation (no `degraded` event); a redirect is.
+#[derive(Default)]
+struct DegradedModels {
+    models: std::collections::BTreeMap<String, String>,
+    several: bool,
+}
+
+/// One model entering or leaving degraded mode, and what it is told.
+#[derive(Debug, PartialEq)]
+struct Turn {
+    model: String,
+    degraded: bool,
+    words: String,
+}
+
+impl DegradedModels {
+    /// Takes in a status body (every model's state: the stream's first event) or a `degraded`
+    /// event (one model's change); returns the models whose state turned.
+    fn follow(&mut self, event: &serde_json::Value) -> Vec<Turn> {
+        let mut seen = Vec::new();
+        let listed = event["models"].as_array().filter(|m| event.get("event").is_none() && m.iter().all(|m| m.get("degraded").is_some()));
+        match listed {
+            Some(models) if !models.is_empty() => {
+                self.several = models.len() > 1;
+                for m in models {
+                    let words = m["degraded_summary"].as_str().unwrap_or("").to_string();
+                    seen.push((m["id"].as_str().unwrap_or("").to_string(), m["degraded"].as_bool().unwrap_or(false), words));
+                }
+            }
+            _ => {
+                let Some((now, words)) = degraded_words(event) else { return Vec::new() };
+                seen.push((event["model"].as_str().unwrap_or("").to_string(), now, words));
+            }
+        }
+        seen.into_iter()
+            .filter_map(|(model, now, words)| {
+                let was = if now { self.models.insert(model.clone(), words.clone()).is_some() } else { self.models.remove(&model).is_some() };
+                (was != now).then_some(Turn { model, degraded: now, words })
+            })
+            .collect()
+    }
+
+    fn any(&self) -> bool {
+        !self.models.is_empty()
+    }
+
+    /// The tooltip's words: the one model's summary, or each degraded model's, named.
+    fn words(&self) -> String {
+        if !self.several {
+            return self.models.values().next().cloned().unwrap_or_default();
+        }
+        let named: Vec<String> = self.models.iter().map(|(m, w)| if w.is_empty() { format!("{m} degraded") } else { format!("{m}: {w}") }).collect();
+        named.join("; ")
+    }
+
+    /// A notification's title for a turn: with several models, it names the model.
+    fn title(&self, turn: &Turn) -> String {
+        match (turn.degraded, self.several) {
+            (true, false) => "Headroom: serving from the CPU".into(),
+            (false, false) => "Headroom: GPU restored".into(),
+            (true, true) => format!("Headroom: serving {} from the CPU", turn.model),
+            (false, true) => format!("Headroom: GPU restored for {}", turn.model),
+        }
+    }
 }
 
 /// Whether a status body or `degraded` event says the service is degraded, and the words a
@@ -225,5 +292,41 @@ mod tests {
         let status = json!({"degraded": true, "degraded_reason": "r", "degraded_summary": "s"});
         assert_eq!(super::degraded_words(&status), Some((true, "s".into())));
         assert_eq!(super::degraded_words(&json!({"event": "failover"})), None);
+    }
+
+    #[test]
+    fn the_tray_stays_degraded_while_any_model_is() {
+        let mut d = super::DegradedModels::default();
+        let status = json!({"model": "a", "degraded": false, "models": [
+            {"id": "a", "degraded": false, "degraded_summary": null},
+            {"id": "b", "degraded": true, "degraded_summary": "b's GPU is out of memory; b on the CPU is answering."},
+        ]});
+        let turns = d.follow(&status);
+        assert_eq!(turns, vec![super::Turn { model: "b".into(), degraded: true, words: "b's GPU is out of memory; b on the CPU is answering.".into() }]);
+        assert!(d.any());
+        assert_eq!(d.title(&turns[0]), "Headroom: serving b from the CPU");
+        // Another model's recovery does not clear b's degradation (one flag for all did).
+        assert!(d.follow(&json!({"event": "degraded", "model": "a", "degraded": false, "reason": "GPU restored"})).is_empty());
+        assert!(d.any());
+        assert_eq!(d.words(), "b: b's GPU is out of memory; b on the CPU is answering.");
+        let a_down = d.follow(&json!({"event": "degraded", "model": "a", "degraded": true, "summary": "a on the CPU"}));
+        assert_eq!(a_down.len(), 1);
+        assert_eq!(d.words(), "a: a on the CPU; b: b's GPU is out of memory; b on the CPU is answering.");
+        d.follow(&json!({"event": "degraded", "model": "b", "degraded": false, "reason": "GPU restored: probe succeeded"}));
+        assert!(d.any(), "a is still degraded");
+        let back = d.follow(&json!({"event": "degraded", "model": "a", "degraded": false, "reason": "GPU restored: probe succeeded"}));
+        assert_eq!(d.title(&back[0]), "Headroom: GPU restored for a");
+        assert!(!d.any());
+        // An eviction is no degradation.
+        assert!(d.follow(&json!({"event": "gpu_model_unloaded", "model": "a", "reason": "evicted"})).is_empty());
+    }
+
+    #[test]
+    fn one_model_reads_as_before() {
+        let mut d = super::DegradedModels::default();
+        assert!(d.follow(&json!({"model": "a", "degraded": false, "models": [{"id": "a", "degraded": false}]})).is_empty());
+        let turn = d.follow(&json!({"event": "degraded", "model": "a", "degraded": true, "reason": "r", "summary": "s"}));
+        assert_eq!(d.title(&turn[0]), "Headroom: serving from the CPU");
+        assert_eq!(d.words(), "s");
     }
 }

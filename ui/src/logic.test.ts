@@ -181,6 +181,57 @@ describe("memory panel", () => {
     expect(h.columns()[6]).toEqual([null], "no KV line where the worker does not count its blocks");
   });
 
+  it("stacks one area per model when several share the GPU, other programs on top", () => {
+    const h = new MemoryHistory(60);
+    const M = 1048576;
+    const status = (aBytes: number | null, first = true) => ({
+      memory: { gpu: first ? { capacity_bytes: 100 * M, used_bytes: 60 * M, weights_bytes: 15 * M, reserved_bytes: 0 } : null, vram_reserve_bytes: first ? 20 * M : null, gpu_other_bytes: 7 * M },
+      models: [
+        { id: "a", gpu_weights_bytes: aBytes, gpu_held_bytes: 5 * M },
+        { id: "b", gpu_weights_bytes: 0, gpu_held_bytes: 0 },
+        { id: "c-embed", gpu_weights_bytes: 12 * M, gpu_held_bytes: 1 * M },
+      ],
+    });
+    h.addStatus(status(15 * M), 0);
+    expect(h.modelIds).toEqual(["a", "b", "c-embed"]);
+    // The first model unloaded: its reading is gone, the limit stays.
+    h.addStatus(status(0, false), 1000);
+    const [t, top, all, ab, a, limit, host] = h.columns();
+    expect(t).toEqual([0, 1]);
+    expect(top).toEqual([40, 25]);
+    expect(all).toEqual([33, 18]);
+    expect(ab).toEqual([20, 5]);
+    expect(a).toEqual([20, 5]);
+    expect(limit).toEqual([80, 80]);
+    expect(host).toEqual([null, null]);
+    h.addEvent("gpu_model_unloaded", { at_unix_ms: 1500, model: "b", reason: "evicted to make room for a" });
+    h.addEvent("gpu_model_loading", { at_unix_ms: 1600, model: "a" });
+    h.addEvent("placement_changed", { at_unix_ms: 1700, model: "a", gpu_layers: 3, layers: 4 });
+    expect(h.marks.map((m) => m.label)).toEqual(["b evicted", "a loading on the GPU", "a: layers 3/4 on the GPU"]);
+    // One model again (a restart): the parts' layout comes back.
+    h.addStatus({ memory: { gpu: { capacity_bytes: 100 * M, used_bytes: 50 * M, weights_bytes: 15 * M, reserved_bytes: 0 }, vram_reserve_bytes: 20 * M }, models: [{ id: "a" }] }, 2000);
+    expect(h.modelIds).toEqual([]);
+    expect(h.columns().length).toBe(7);
+  });
+
+  it("names the model holding the shared GPU while the page's model is unloaded", () => {
+    const status = { model: "a", workers: [{ kind: "gpu", state: "unloaded", device: "sim", simulated: true }], gpu_residency: { keep_alive: "-1" }, models: [{ id: "a", state: "cpu" }, { id: "b", state: "gpu" }] };
+    const view = statusView(status);
+    expect(view.health).toBe("unloaded");
+    expect(view.label).toBe("GPU (simulated): b loaded");
+    expect(view.reason).toMatch(/^a is unloaded .*its next request loads it on the GPU$/);
+    expect(statusView({ ...status, models: [{ id: "a", state: "cpu" }] }).label).toBe("GPU idle (simulated): model unloaded");
+  });
+
+  it("says the service is degraded when any served model is", () => {
+    const status = { model: "a", degraded: false, workers: [{ kind: "gpu", state: "ready", device: "sim", simulated: true }], models: [{ id: "a", degraded: false }, { id: "b", degraded: true, degraded_summary: "b's GPU is out of memory; b on the CPU is answering." }] };
+    const view = statusView(status);
+    expect(view.health).toBe("degraded");
+    expect(view.label).toBe("GPU degraded (simulated) for b");
+    expect(view.summary).toBe("b's GPU is out of memory; b on the CPU is answering.");
+    expect(statusView({ ...status, models: [{ id: "a", degraded: false }, { id: "b", degraded: false }] }).health).toBe("healthy");
+  });
+
   it("draws the KV cache written inside what requests hold (KV overcommit)", () => {
     const h = new MemoryHistory(60);
     const gpu = { capacity_bytes: 100 * 1048576, used_bytes: 50 * 1048576, weights_bytes: 15 * 1048576, reserved_bytes: 8 * 1048576 };

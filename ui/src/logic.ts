@@ -71,11 +71,33 @@ export function statusView(status: Json): StatusView {
       summary: status.degraded_summary ?? "Requests meant for the GPU are answered on the CPU, more slowly.",
     };
   }
+  // Several models share the GPU: another one's degraded mode is the service's too.
+  const others: Json[] = (status.models ?? []).filter((m: Json) => m.degraded && m.id !== status.model);
+  if (others.length > 0) {
+    const names = others.map((m) => m.id).join(", ");
+    return {
+      ...base,
+      health: "degraded",
+      label: `GPU degraded${sim} for ${names}`,
+      reason: `${names}: GPU requests are served by the CPU worker`,
+      summary: others.map((m) => m.degraded_summary).filter(Boolean).join(" ") || `Requests for ${names} meant for the GPU are answered on the CPU, more slowly.`,
+    };
+  }
   if (status.gpu_paused) {
     return { ...base, health: "paused", label: `GPU paused${sim}`, reason: "paused in settings; requests go to the CPU worker" };
   }
   // Unloaded after its keep_alive: not a failure; the next GPU request loads it again.
   if (gpu.state === "unloaded") {
+    // Several models share the GPU: another one holds it now (this one made way, or idled out).
+    const holding: string[] = (status.models ?? []).filter((m: Json) => m.id !== status.model && (m.state === "gpu" || m.state === "split")).map((m: Json) => m.id);
+    if (holding.length > 0) {
+      return {
+        ...base,
+        health: "unloaded",
+        label: `GPU${sim}: ${holding.join(", ")} loaded`,
+        reason: `${status.model} is unloaded (it made way for another model or idled past its keep_alive); its next request loads it on the GPU`,
+      };
+    }
     const keep = status.gpu_residency?.keep_alive;
     return {
       ...base,
@@ -304,6 +326,9 @@ export interface MemoryPoint {
   vramLimit: number | null; // capacity less the reserve
   vramCapacity: number | null;
   hostUsed: number | null;
+  /** With several models sharing the GPU: what each holds there (weights and its requests'
+   *  grants), in the order of `MemoryHistory.modelIds`. */
+  vramModels: (number | null)[];
 }
 
 /** A failover or breaker change, marked on the time axis. */
@@ -317,6 +342,8 @@ export interface Mark {
 export class MemoryHistory {
   points: MemoryPoint[] = [];
   marks: Mark[] = [];
+  /** The models sharing the GPU, when there are several: the chart stacks one area per model. */
+  modelIds: string[] = [];
   constructor(readonly windowS = 300) {}
 
   addStatus(status: Json, tMs = Date.now()) {
@@ -328,6 +355,31 @@ export class MemoryHistory {
     const used = mib(gpu?.used_bytes);
     const weights = mib(gpu?.weights_bytes);
     const held = mib(status.memory?.gpu_held_bytes ?? gpu?.reserved_bytes);
+    const models: Json[] = status.models ?? [];
+    if (models.length > 1) {
+      const ids = models.map((m) => String(m.id));
+      // Another set of models (a restart): the old samples no longer line up with the areas.
+      if (ids.join("\n") !== this.modelIds.join("\n")) {
+        this.modelIds = ids;
+        this.points = [];
+      }
+      const limit = capacity !== null && reserve !== null ? capacity - reserve : null;
+      this.push({
+        t: tMs / 1000,
+        vramUsed: used,
+        vramWeights: null,
+        vramReserved: null,
+        vramOther: mib(status.memory?.gpu_other_bytes),
+        vramKvWritten: null,
+        vramCapacity: capacity,
+        // While the first model is unloaded its reading is gone: the limit stays where it was.
+        vramLimit: limit ?? this.points.at(-1)?.vramLimit ?? null,
+        hostUsed: host ? (host.total_bytes - host.available_bytes) / MIB : null,
+        vramModels: models.map((m) => (typeof m.gpu_weights_bytes === "number" ? (m.gpu_weights_bytes + (m.gpu_held_bytes ?? 0)) / MIB : null)),
+      });
+      return;
+    }
+    this.modelIds = [];
     this.push({
       t: tMs / 1000,
       vramUsed: used,
@@ -338,6 +390,7 @@ export class MemoryHistory {
       vramCapacity: capacity,
       vramLimit: capacity !== null && reserve !== null ? capacity - reserve : null,
       hostUsed: host ? (host.total_bytes - host.available_bytes) / MIB : null,
+      vramModels: [],
     });
   }
 
@@ -347,10 +400,11 @@ export class MemoryHistory {
     else if (name === "breaker_changed") this.mark({ t, kind: "breaker", label: `breaker ${event.to}` });
     else if (name === "degraded") this.mark({ t, kind: "degraded", label: event.degraded ? "degraded" : "recovered" });
     // The GPU worker's layers were placed again at a restart (more or less VRAM free).
-    else if (name === "placement_changed") this.mark({ t, kind: "placement", label: `layers ${event.gpu_layers}/${event.layers} on the GPU` });
+    else if (name === "placement_changed") this.mark({ t, kind: "placement", label: `${event.model && this.modelIds.length > 1 ? `${event.model}: ` : ""}layers ${event.gpu_layers}/${event.layers} on the GPU` });
     // keep_alive: the GPU's copy of the model left (VRAM freed) or is loading for a request.
-    else if (name === "gpu_model_unloaded") this.mark({ t, kind: "residency", label: "model unloaded (keep_alive)" });
-    else if (name === "gpu_model_loading") this.mark({ t, kind: "residency", label: "model loading on the GPU" });
+    // With several models, the event names its model, and an unload may be an eviction.
+    else if (name === "gpu_model_unloaded") this.mark({ t, kind: "residency", label: event.model && this.modelIds.length > 1 ? `${event.model} ${String(event.reason ?? "").startsWith("evicted") ? "evicted" : "unloaded"}` : "model unloaded (keep_alive)" });
+    else if (name === "gpu_model_loading") this.mark({ t, kind: "residency", label: event.model && this.modelIds.length > 1 ? `${event.model} loading on the GPU` : "model loading on the GPU" });
   }
 
   private push(p: MemoryPoint) {
@@ -375,6 +429,7 @@ export class MemoryHistory {
    *  part (weights + written). */
   columns(): (number | null)[][] {
     const sum = (...xs: (number | null)[]) => (xs.every((x) => x === null) ? null : xs.reduce<number>((a, x) => a + (x ?? 0), 0));
+    if (this.modelIds.length > 1) return this.modelColumns(sum);
     return [
       this.points.map((p) => p.t),
       this.points.map((p) => sum(p.vramWeights, p.vramReserved, p.vramOther)),
@@ -383,6 +438,23 @@ export class MemoryHistory {
       this.points.map((p) => p.vramLimit),
       this.points.map((p) => p.hostUsed),
       this.points.map((p) => (p.vramKvWritten === null ? null : sum(p.vramWeights, p.vramKvWritten))),
+    ];
+  }
+
+  /** With several models: time; other programs on top of every model, then each model's area
+   *  stacked on the ones before it (the last model's line first, the first model's alone at the
+   *  bottom); the limit; host RAM. */
+  private modelColumns(sum: (...xs: (number | null)[]) => number | null): (number | null)[][] {
+    const n = this.modelIds.length;
+    const upTo = (k: number) => this.points.map((p) => sum(...p.vramModels.slice(0, k)));
+    const stacked = [];
+    for (let k = n; k >= 1; k--) stacked.push(upTo(k));
+    return [
+      this.points.map((p) => p.t),
+      this.points.map((p) => sum(...p.vramModels, p.vramOther)),
+      ...stacked,
+      this.points.map((p) => p.vramLimit),
+      this.points.map((p) => p.hostUsed),
     ];
   }
 }

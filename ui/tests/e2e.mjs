@@ -2,9 +2,10 @@
 // against a real `headroom serve --gpu sim`. A chat round trip on the GPU; settings changed and
 // applied (the VRAM reserve admission uses, kept across a reload); the GPU paused, a reply on
 // the CPU, and a queued request cancelled from the UI; then injected OOMs open the breaker: the
-// degraded banner, the CPU badge with its reason, and a stop. Screenshots at 1024×700 and
+// degraded banner, the CPU badge with its reason, and a stop; last, a second server with two
+// models: the chart's area per model and an eviction's mark. Screenshots at 1024×700 and
 // 1440×900 go to docs/screenshots/.
-import { mkdirSync, rmSync } from "node:fs";
+import { cpSync, mkdirSync, rmSync } from "node:fs";
 import { join } from "node:path";
 import assert from "node:assert/strict";
 import { check, finish } from "./checks.mjs";
@@ -282,6 +283,37 @@ try {
     assert.equal(await reply.getByTestId("reply-model").innerText(), "answered by kjv-small");
     assert.match(await reply.getByTestId("reply-notice").innerText(), /^The GPU is (paused in Settings|out of memory); kjv-small on the CPU is answering/);
     await page.getByTestId("tab-memory").click();
+  });
+
+  await check("with several models the chart stacks one area per model and marks an eviction", async () => {
+    // The page's model and a copy serving embeddings, on a sim GPU that holds one of them.
+    const embedder = join(server.dir, "kjv-embed");
+    cpSync(join(root, "models/kjv-demo"), embedder, { recursive: true });
+    const models = await startServer({ config: `[memory]\nvram_reserve_mib = 0\n\n[[models]]\nsource = "${embedder}"\nrole = "embedding"\n`, args: ["--sim-vram-mib", "24"] });
+    const other = await browser.newPage({ viewport: { width: 1440, height: 900 } });
+    try {
+      await other.goto(models.url);
+      await other.getByTestId("tab-memory").click();
+      const legend = other.getByTestId("memory-chart").locator(".u-legend");
+      // One series per model (its weights and grants on the GPU), other programs, the limit.
+      await legend.filter({ hasText: /kjv-demo\s*[\d.,]+ (MiB|GiB)/ }).waitFor({ timeout: 10_000 });
+      assert.match(await legend.innerText(), /kjv-embed\s*[\d.,]+ (MiB|GiB)/);
+      assert.match(await legend.innerText(), /other programs\s*[\d.,]+ (MiB|GiB)/);
+      assert.match(await legend.innerText(), /limit \(less reserve\)\s*[\d.,]+ (MiB|GiB)/);
+      assert.doesNotMatch(await legend.innerText(), /weights/, "the one-model parts give way to the models");
+      const r = await fetch(`${models.url}/v1/embeddings`, { method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify({ model: "kjv-embed", input: "In the beginning" }) });
+      assert.equal(r.status, 200);
+      assert.equal(r.headers.get("x-headroom-device"), "sim", "the chat model made way");
+      await other.locator(".marks li.residency", { hasText: "kjv-demo evicted" }).waitFor({ timeout: 10_000 });
+      await other.getByTestId("model-row").filter({ hasText: "kjv-embed" }).filter({ has: other.locator("td:nth-child(3)", { hasText: /^GPU$/ }) }).waitFor({ timeout: 10_000 });
+      // Two more samples, so the areas show the turn.
+      await new Promise((ok) => setTimeout(ok, 2500));
+      await other.screenshot({ path: join(shots, "models-memory-1440x900.png") });
+    } finally {
+      await other.close();
+      models.child.kill("SIGTERM");
+      rmSync(models.dir, { recursive: true, force: true });
+    }
   });
 } finally {
   await browser.close();
