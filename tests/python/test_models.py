@@ -1,5 +1,6 @@
 """Several models in one `headroom serve` on one sim GPU: a chat model and an embedding model
-(a copy of the 4M fixture under another name), on a GPU that holds one of them at a time. Each
+(a copy of the 4M fixture, named in the config, with 3 of its 4 layers on the GPU), on a GPU that
+holds one of them at a time. Each
 request names its model; the other one is evicted to make room and loads again when asked for;
 a request of the wrong kind for a model, or for a model not served, gets a clear 4xx."""
 
@@ -21,13 +22,16 @@ split_min_context_tokens = 64
 
 [[models]]
 source = "{embedder}"
+name = "kjv-embed"
 role = "embedding"
+gpu_layers = 3
 """
 
 
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory):
-    embedder = tmp_path_factory.mktemp("models") / "kjv-embed"
+    # The folder's name is not the model's: requests use the `name` of its [[models]] entry.
+    embedder = tmp_path_factory.mktemp("models") / "embedder-files"
     shutil.copytree(ROOT / "models" / "kjv-demo", embedder)
     server = Server("--gpu", "sim", "--sim-vram-mib", "24", config=CONFIG.format(embedder=embedder)).start()
     yield server
@@ -90,8 +94,10 @@ def test_each_model_takes_the_gpu_in_turn_by_evicting_the_idle_other(two_models)
     r = embed(two_models.url, "kjv-embed")
     assert r.status_code == 200, r.text
     assert r.headers["x-headroom-device"] == "sim", "the chat model made way"
+    assert r.headers.get("x-headroom-split") == "3/4", "the embedding model's own gpu_layers"
     assert r.json()["data"][0]["headroom"]["degraded"] is False
-    assert where(two_models) == {"kjv-demo": "cpu", "kjv-embed": "gpu"}
+    # Its `gpu_layers`: split, 3 of 4 layers on the GPU.
+    assert where(two_models) == {"kjv-demo": "cpu", "kjv-embed": "split"}
     watcher.join(timeout=30)
     evicted = [e for name, e in seen if name == "gpu_model_unloaded"]
     assert evicted and evicted[0]["model"] == "kjv-demo" and "evicted to make room for kjv-embed" in evicted[0]["reason"], seen[-5:]
@@ -157,7 +163,7 @@ def test_a_competing_program_bites_every_model_on_the_shared_gpu(two_models):
             while True:
                 s = two_models.status()
                 entry = next(m for m in s["models"] if m["id"] == name)
-                if entry["state"] == "gpu" and s["memory"]["gpu_other_bytes"] == 2 * mib:
+                if entry["state"] in ("gpu", "split") and s["memory"]["gpu_other_bytes"] == 2 * mib:
                     break
                 assert time.time() < deadline, (name, s["memory"], entry)
                 time.sleep(0.1)

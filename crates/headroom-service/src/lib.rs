@@ -98,6 +98,13 @@ fn worker_options(device: Device, args: WorkerArgs) -> WorkerOptions {
 pub struct ModelEntry {
     /// `default`, a .gguf file, a Hugging Face folder, or a name in the models folder.
     pub source: String,
+    /// The name requests give the model (default: its file or folder name without `.gguf`).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Layers on the GPU: `"auto"` (as many as fit; the default, or `[memory] gpu_layers`) or a
+    /// count (the rest run on the CPU, split).
+    #[serde(default)]
+    pub gpu_layers: Option<headroom_memory::GpuLayers>,
     /// `chat` (the default) or `embedding`.
     #[serde(default)]
     pub role: headroom_server::Role,
@@ -115,14 +122,26 @@ pub struct ModelEntry {
 
 impl ModelEntry {
     fn named(source: &str) -> Self {
-        Self { source: source.to_string(), role: Default::default(), keep_alive: None, pin: false, fallback: None }
+        Self { source: source.to_string(), name: None, gpu_layers: None, role: Default::default(), keep_alive: None, pin: false, fallback: None }
+    }
+
+    /// The id requests name the model by: its `name`, else the bundle's. A name is compared,
+    /// never looked up as a path, and names the model's journal file: letters, digits and
+    /// `.`, `_`, `-` only.
+    fn id(&self, bundle: &ModelBundle) -> Result<String> {
+        let Some(name) = &self.name else { return Ok(bundle.name()) };
+        let fits = !name.is_empty() && name.len() <= 64 && !name.starts_with('.') && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+        if !fits {
+            bail!("[[models]] name {name:?} (for {}) is not a usable model name: use 1 to 64 letters, digits, '.', '_' or '-', not starting with '.' (requests name the model by it)", self.source);
+        }
+        Ok(name.clone())
     }
 }
 
 /// The models to serve: the `--model` flags, then `[[models]]`; only `[[models]]` when the flag
 /// was left at its default and the file lists some.
 fn model_entries(flags: &[String], text: &str) -> Result<Vec<ModelEntry>> {
-    let listed: Vec<ModelEntry> = headroom_router::config_table(text, "models").map_err(|e| anyhow::anyhow!("{e}: each [[models]] takes source, role (chat or embedding), keep_alive, pin, fallback"))?;
+    let listed: Vec<ModelEntry> = headroom_router::config_table(text, "models").map_err(|e| anyhow::anyhow!("{e}: each [[models]] takes source, name, role (chat or embedding), keep_alive, pin, fallback, gpu_layers"))?;
     let flagged: Vec<ModelEntry> = flags.iter().filter(|m| !m.trim().is_empty()).map(|m| ModelEntry::named(m.trim())).collect();
     let defaulted = flagged.len() == 1 && flagged[0].source == "default";
     let mut entries = if defaulted && !listed.is_empty() { Vec::new() } else { flagged };
@@ -155,6 +174,25 @@ fn ollama_host(value: &str) -> std::result::Result<(Option<String>, u16), String
 mod tests {
     use super::*;
     use clap::Parser;
+
+    #[test]
+    fn models_take_a_name_and_their_layer_count() {
+        use headroom_memory::GpuLayers;
+        let text = "[[models]]\nsource = \"kjv-demo\"\nname = \"notes-embed\"\nrole = \"embedding\"\ngpu_layers = 2\n\n[[models]]\nsource = \"kjv-demo\"\ngpu_layers = \"auto\"\n";
+        let entries = model_entries(&["default".into()], text).unwrap();
+        assert_eq!((entries[0].name.as_deref(), entries[0].gpu_layers), (Some("notes-embed"), Some(GpuLayers::Count(2))));
+        assert_eq!((entries[1].name.as_deref(), entries[1].gpu_layers), (None, Some(GpuLayers::Auto)));
+        let bundle = ModelBundle::open(resolve_model("kjv-demo")).unwrap();
+        assert_eq!(entries[0].id(&bundle).unwrap(), "notes-embed");
+        assert_eq!(entries[1].id(&bundle).unwrap(), "kjv-demo", "without a name, the file's");
+        for bad in ["../x", "a/b", "", ".hidden", "x y", "ä", "a:b"] {
+            let entry = ModelEntry { name: Some(bad.into()), ..ModelEntry::named("kjv-demo") };
+            let err = entry.id(&bundle).unwrap_err().to_string();
+            assert!(err.contains("is not a usable model name"), "{bad:?}: {err}");
+        }
+        let err = model_entries(&["default".into()], "[[models]]\nsource = \"x\"\ngpu_layers = \"most\"\n").unwrap_err().to_string();
+        assert!(err.contains("gpu_layers must be") && err.contains("each [[models]] takes"), "{err}");
+    }
 
     #[test]
     fn ollama_host_reads_as_ollama_reads_it() {
@@ -312,7 +350,7 @@ impl LayerPlacement {
         let usable = room.free_bytes.min(room.total_bytes).saturating_sub(self.memory.vram_reserve_bytes(room.total_bytes));
         let chunk = headroom_model::generate::default_prefill_chunk() as u64;
         let plan = |memory: &MemoryConfig, bandwidths| headroom_memory::plan_model_split(&self.bundle, &label, memory, usable, 1, chunk, bandwidths);
-        let fix = |e: String| format!("{e}. Set `gpu_layers` in [memory] (or HEADROOM_GPU_LAYERS) to a count that fits, or to \"auto\".");
+        let fix = |e: String| format!("{e}. Set `gpu_layers` (in [memory] or HEADROOM_GPU_LAYERS; for a model of [[models]], in its entry) to a count that fits, or to \"auto\".");
         let mut memory = self.memory.clone();
         let placement = match plan(&memory, Default::default()) {
             Err(e) if self.from_settings => {
@@ -451,7 +489,7 @@ pub async fn run(
         Arc::new(LayerPlacement {
             bundle: bundle.clone(),
             device: gpu.device,
-            memory: MemoryConfig { vram_reserve_mib: settings.vram_reserve_mib, gpu_layers: settings.gpu_layers.unwrap_or(memory.gpu_layers), ..memory.clone() },
+            memory: MemoryConfig { vram_reserve_mib: settings.vram_reserve_mib, gpu_layers: settings.gpu_layers.or(primary.gpu_layers).unwrap_or(memory.gpu_layers), ..memory.clone() },
             from_settings: settings.gpu_layers.is_some(),
             bandwidths: Default::default(),
         })
@@ -505,7 +543,7 @@ pub async fn run(
                 recovered.len() - rerun
             );
         }
-        let model_id = bundle.name();
+        let model_id = primary.id(&bundle)?;
         let limits = Limits { context_tokens: bundle.config.max_position_embeddings, default_max_tokens: server.default_max_tokens };
         let bundle = Arc::new(bundle);
         let mut served = vec![headroom_server::ServedModel { dispatcher: dispatcher.clone(), bundle: bundle.clone(), model_id: model_id.clone(), limits: limits.clone(), role: primary.role }];
@@ -518,11 +556,22 @@ pub async fn run(
         for entry in &entries[1..] {
             let dir = resolve_model(&entry.source);
             let other = ModelBundle::open(&dir).with_context(|| format!("cannot open the model {} ({}) of [[models]]", entry.source, dir.display()))?;
-            let id = other.name();
+            let id = entry.id(&other)?;
             if served.iter().any(|m| m.model_id == id) {
-                bail!("the model {id} is listed twice (--model and [[models]]); list each model once");
+                bail!("the model name {id} is served twice (--model and [[models]], or two [[models]]); list each model once, or give one a `name`");
             }
             let mut config = SupervisorConfig::new(std::env::current_exe()?, dir.clone(), other_gpu.clone());
+            // Its layers planned from the VRAM free at each launch, as the first model's.
+            config.replan = other_gpu.as_ref().map(|gpu| {
+                let placer = LayerPlacement {
+                    bundle: other.clone(),
+                    device: gpu.device,
+                    memory: MemoryConfig { vram_reserve_mib: settings.vram_reserve_mib, gpu_layers: entry.gpu_layers.unwrap_or(memory.gpu_layers), ..memory.clone() },
+                    from_settings: false,
+                    bandwidths: Default::default(),
+                };
+                headroom_router::LayerPlanner(Arc::new(move |room| placer.plan(room)))
+            });
             config.cpu = other_cpu.clone();
             config.supervision = other_supervision.clone();
             config.gpu_paused = settings.gpu_paused;
