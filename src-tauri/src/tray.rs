@@ -135,6 +135,7 @@ async fn follow_degraded(app: &AppHandle, tray: Option<&Tray>, shell: &Shell) ->
     let mut degraded = DegradedModels::default();
     let mut paused = false;
     let mut layers = String::new();
+    let mut first_model = String::new();
     while let Some(chunk) = body.next().await {
         buffer.extend_from_slice(&chunk.map_err(|e| e.to_string())?);
         for data in headroom_server::sse::complete_sse_data(&mut buffer) {
@@ -142,8 +143,9 @@ async fn follow_degraded(app: &AppHandle, tray: Option<&Tray>, shell: &Shell) ->
             // The GPU pause is the person's choice: icon and menu follow it, no notification.
             let paused_now = match event["event"].as_str() {
                 Some("gpu_paused") => event["paused"].as_bool(),
-                // A restart placed the layers again (more or less VRAM free).
-                Some("placement_changed") => {
+                // A restart placed the layers again (more or less VRAM free); the tooltip speaks
+                // of the first model (the one the status body describes), not of the others.
+                Some("placement_changed") if event["model"].as_str().is_none_or(|m| m == first_model) => {
                     layers = layers_note(&event);
                     if let Some(tray) = tray {
                         show_state(tray, degraded.any(), paused, &degraded.words(), &layers);
@@ -151,6 +153,7 @@ async fn follow_degraded(app: &AppHandle, tray: Option<&Tray>, shell: &Shell) ->
                     None
                 }
                 None => {
+                    first_model = event["model"].as_str().unwrap_or("").to_string();
                     let has_gpu = event["workers"].as_array().is_some_and(|w| w.iter().any(|w| w["kind"] == "gpu"));
                     layers = layers_note(&event["placement"]);
                     if let Some(tray) = tray {
