@@ -187,3 +187,33 @@ def test_metrics_label_every_sample_with_its_model(two_models):
     assert {s.labels["model"] for s in requests.samples} == {"kjv-demo", "kjv-embed"}, requests.samples
     unlabelled = [(f.name, s) for f in families for s in f.samples if "model" not in s.labels]
     assert not unlabelled, unlabelled[:3]
+
+
+def test_each_model_has_its_own_fallback_and_layers_in_settings(two_models):
+    """`?model=` names whose fallback model and layer count a settings call reads or changes;
+    the other settings are the service's, and changing them keeps each model's own."""
+    url = two_models.url + "/v1/settings"
+    first = httpx.get(url, timeout=10).json()
+    assert first["model"] == "kjv-demo"
+    embed_settings = httpx.get(url, params={"model": "kjv-embed"}, timeout=10).json()
+    assert embed_settings["model"] == "kjv-embed" and embed_settings["file"].endswith("settings-kjv-embed.json"), embed_settings
+    r = httpx.patch(url, params={"model": "kjv-embed"}, json={"gpu_layers": 2}, timeout=60)
+    assert r.status_code == 200 and r.json()["restart_required"] == ["gpu_layers"] and r.json()["settings"]["gpu_layers"] == 2, r.text
+    assert httpx.get(url, timeout=10).json()["settings"]["gpu_layers"] == first["settings"]["gpu_layers"], "the first model's is its own"
+    fallback = str(ROOT / "models" / "kjv-demo")
+    r = httpx.patch(url, params={"model": "kjv-embed"}, json={"fallback_model": fallback}, timeout=120)
+    assert r.status_code == 200 and r.json()["settings"]["fallback_model"] == fallback, r.text
+    try:
+        # A service-wide change (sent for the first model) restarts every CPU worker: each
+        # keeps its own fallback model.
+        context = first["settings"]["cpu_max_context_tokens"]
+        r = httpx.patch(url, json={"cpu_max_context_tokens": context + 64}, timeout=120)
+        assert r.status_code == 200 and r.json()["settings"]["fallback_model"] == first["settings"]["fallback_model"], r.text
+        embed_settings = httpx.get(url, params={"model": "kjv-embed"}, timeout=10).json()["settings"]
+        assert embed_settings["fallback_model"] == fallback and embed_settings["cpu_max_context_tokens"] == context + 64, embed_settings
+        r = httpx.get(url, params={"model": "nope"}, timeout=10)
+        assert r.status_code == 404 and '"kjv-demo", "kjv-embed"' in r.json()["error"]["message"], r.text
+    finally:
+        r = httpx.patch(url, params={"model": "kjv-embed"}, json={"fallback_model": None, "gpu_layers": None}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert httpx.patch(url, json={"cpu_max_context_tokens": first["settings"]["cpu_max_context_tokens"]}, timeout=120).status_code == 200

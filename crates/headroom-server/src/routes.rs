@@ -7,7 +7,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{Path, State};
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{Html, IntoResponse, Response};
@@ -17,7 +18,7 @@ use futures_util::StreamExt;
 use headroom_memory::Allowances;
 use headroom_router::{CancelOutcome, Completion, Lane, Placement, RunRequest, StreamEvent, Submission, Ticket};
 use headroom_worker::Fault;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
@@ -744,6 +745,9 @@ async fn status(State(state): Shared) -> Json<StatusBody> {
 /// The settings in force, as `GET /v1/settings` and a change return them.
 #[derive(Serialize, ToSchema)]
 pub struct SettingsBody {
+    /// The model these settings are for: its fallback model and layer count are its own; the
+    /// other settings are the service's, the same for every model.
+    pub model: String,
     #[schema(value_type = Object)]
     pub settings: headroom_router::Settings,
     /// Settings changed by this request (empty for GET).
@@ -754,40 +758,66 @@ pub struct SettingsBody {
     pub file: Option<String>,
 }
 
-#[utoipa::path(get, path = "/v1/settings", responses((status = 200, description = "The settings in force", body = SettingsBody)))]
-async fn settings(State(state): Shared) -> Json<SettingsBody> {
-    Json(SettingsBody { settings: state.dispatcher.settings(), changed: Vec::new(), restart_required: Vec::new(), file: state.dispatcher.settings_path() })
+/// `?model=<id>`: which served model's settings (default: the first model's).
+#[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+struct SettingsQuery {
+    /// A served model's id (see `GET /v1/models`); default: the first model.
+    model: Option<String>,
+}
+
+/// The served model a settings call names, or the first one.
+fn settings_target(state: &Arc<AppState>, query: Result<Query<SettingsQuery>, QueryRejection>) -> Result<Arc<AppState>, ApiError> {
+    let Query(query) = query.map_err(|e| ApiError::invalid("model", format!("{e}; pass ?model=<id> with a served model's id")))?;
+    match query.model {
+        Some(model) => state.for_model(&model),
+        None => Ok(state.clone()),
+    }
 }
 
 #[utoipa::path(
-    patch, path = "/v1/settings",
-    description = "Changes settings with a JSON merge patch, e.g. `{\"vram_reserve_mib\": 2048, \"gpu_paused\": true}`; `null` resets an optional one. Applied at once where possible (`restart_required` lists the rest) and saved.",
+    get, path = "/v1/settings", params(SettingsQuery),
+    responses(
+        (status = 200, description = "The settings in force", body = SettingsBody),
+        (status = 404, description = "No served model has that id", body = ErrorBody),
+    )
+)]
+async fn settings(State(state): Shared, query: Result<Query<SettingsQuery>, QueryRejection>) -> Result<Json<SettingsBody>, ApiError> {
+    let target = settings_target(&state, query)?;
+    Ok(Json(SettingsBody { model: target.model_id.clone(), settings: target.dispatcher.settings(), changed: Vec::new(), restart_required: Vec::new(), file: target.dispatcher.settings_path() }))
+}
+
+#[utoipa::path(
+    patch, path = "/v1/settings", params(SettingsQuery),
+    description = "Changes settings with a JSON merge patch, e.g. `{\"vram_reserve_mib\": 2048, \"gpu_paused\": true}`; `null` resets an optional one. Applied at once where possible (`restart_required` lists the rest) and saved. The fallback model and the layer count are the named model's (`?model=`, default the first); the other settings apply to every served model.",
     request_body(content = Object, description = "The settings to change"),
     responses(
         (status = 200, description = "Applied and saved", body = SettingsBody),
         (status = 400, description = "Unknown setting or invalid value; nothing changed", body = ErrorBody),
+        (status = 404, description = "No served model has that id", body = ErrorBody),
         (status = 409, description = "Valid, but the CPU worker could not start with it; nothing changed", body = ErrorBody),
         (status = 500, description = "Applied but not saved", body = ErrorBody),
     )
 )]
-async fn update_settings(State(state): Shared, body: Result<Bytes, BytesRejection>) -> Result<Json<SettingsBody>, ApiError> {
+async fn update_settings(State(state): Shared, query: Result<Query<SettingsQuery>, QueryRejection>, body: Result<Bytes, BytesRejection>) -> Result<Json<SettingsBody>, ApiError> {
+    let target = settings_target(&state, query)?;
     let (patch, _): (Value, Bytes) = parse_body(body)?;
-    check_gpu_layers(&state, &patch)?;
-    let update = state.dispatcher.update_settings(&patch).await?;
+    check_gpu_layers(&target, &patch)?;
+    let update = target.dispatcher.update_settings(&patch).await?;
     // The service-wide settings (the VRAM reserve, the GPU's pause, the CPU workers' concurrency
     // and context) apply to every served model; the fallback model and the layer count are
-    // the first model's.
+    // the named model's own.
     if let Some(fields) = patch.as_object() {
         let shared: serde_json::Map<String, Value> = fields.iter().filter(|(k, _)| !matches!(k.as_str(), "fallback_model" | "gpu_layers")).map(|(k, v)| (k.clone(), v.clone())).collect();
         if !shared.is_empty() {
-            for other in state.served().iter().skip(1) {
+            for other in state.served().iter().filter(|m| m.model_id != target.model_id) {
                 if let Err(e) = other.dispatcher.update_settings(&Value::Object(shared.clone())).await {
                     tracing::warn!(model = %other.model_id, error = %e, "a settings change did not apply to this model");
                 }
             }
         }
     }
-    Ok(Json(SettingsBody { settings: update.settings, changed: update.changed, restart_required: update.restart_required, file: state.dispatcher.settings_path() }))
+    Ok(Json(SettingsBody { model: target.model_id.clone(), settings: update.settings, changed: update.changed, restart_required: update.restart_required, file: target.dispatcher.settings_path() }))
 }
 
 /// A fixed `gpu_layers` must fit: at most the layers the latest plan found room for (with its

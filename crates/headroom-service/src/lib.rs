@@ -467,6 +467,11 @@ pub async fn run(
 
     let entries = model_entries(&args.model, &text).map_err(|e| in_file(&e))?;
     let primary = entries[0].clone();
+    // The settings say which fallback model runs, so that a later change of another setting
+    // restarts the CPU worker with it (the first model's `fallback` of [[models]] included).
+    if settings.fallback_model.is_none() {
+        settings.fallback_model = primary.fallback.as_deref().map(resolve_model);
+    }
     let model_dir = resolve_model(&primary.source);
     let bundle = ModelBundle::open(&model_dir).with_context(|| format!("cannot open the model folder {}", model_dir.display()))?;
     let mut gpu = gpu_worker(args.gpu, args.sim_vram_mib, settings.gpu_device)?;
@@ -518,7 +523,7 @@ pub async fn run(
         let other_supervision = supervision.clone();
         let mut config = SupervisorConfig::new(std::env::current_exe()?, model_dir.clone(), gpu);
         config.cpu = cpu;
-        config.cpu_fallback_model_dir = settings.fallback_model.clone().or_else(|| primary.fallback.as_deref().map(resolve_model));
+        config.cpu_fallback_model_dir = settings.fallback_model.clone();
         config.supervision = supervision;
         config.gpu_paused = settings.gpu_paused;
         config.keep_alive = primary.keep_alive.unwrap_or(memory.keep_alive);
@@ -560,14 +565,23 @@ pub async fn run(
             if served.iter().any(|m| m.model_id == id) {
                 bail!("the model name {id} is served twice (--model and [[models]], or two [[models]]); list each model once, or give one a `name`");
             }
+            // Its own fallback model and layer count: saved from the settings screen (for this
+            // model), else its [[models]] entry; the service-wide settings are the first model's.
+            let own_file = SettingsFile { path: data_dir.join(format!("settings-{id}.json")) };
+            let saved = own_file.load().map_err(anyhow::Error::msg)?;
+            let own_settings = Settings {
+                fallback_model: saved.as_ref().and_then(|s| s.fallback_model.clone()).or_else(|| entry.fallback.as_deref().map(resolve_model)),
+                gpu_layers: saved.as_ref().and_then(|s| s.gpu_layers),
+                ..settings.clone()
+            };
             let mut config = SupervisorConfig::new(std::env::current_exe()?, dir.clone(), other_gpu.clone());
             // Its layers planned from the VRAM free at each launch, as the first model's.
             config.replan = other_gpu.as_ref().map(|gpu| {
                 let placer = LayerPlacement {
                     bundle: other.clone(),
                     device: gpu.device,
-                    memory: MemoryConfig { vram_reserve_mib: settings.vram_reserve_mib, gpu_layers: entry.gpu_layers.unwrap_or(memory.gpu_layers), ..memory.clone() },
-                    from_settings: false,
+                    memory: MemoryConfig { vram_reserve_mib: settings.vram_reserve_mib, gpu_layers: own_settings.gpu_layers.or(entry.gpu_layers).unwrap_or(memory.gpu_layers), ..memory.clone() },
+                    from_settings: own_settings.gpu_layers.is_some(),
                     bandwidths: Default::default(),
                 };
                 headroom_router::LayerPlanner(Arc::new(move |room| placer.plan(room)))
@@ -577,14 +591,15 @@ pub async fn run(
             config.gpu_paused = settings.gpu_paused;
             config.keep_alive = entry.keep_alive.unwrap_or(memory.keep_alive);
             config.gpu_at_start = entry.pin;
-            config.cpu_fallback_model_dir = entry.fallback.as_deref().map(resolve_model);
+            config.cpu_fallback_model_dir = own_settings.fallback_model.clone();
             eprintln!("headroom: starting workers for {} ({}, {}{})", id, other.short_hash(), entry.role.as_str(), if entry.pin { ", pinned" } else { "" });
             let other_supervisor = Supervisor::start(config).await.with_context(|| format!("cannot start the workers of {id}"))?;
             let (planner, _) = headroom_memory::planner_for(&other, backend, memory.clone());
             let journal = Journal::open(&data_dir.join(format!("journal-{id}.sqlite")))?;
-            // Settings changed in the UI reach this dispatcher through the server (all but
-            // the fallback model and the layer count); nothing saves them from here.
-            let (other_dispatcher, recovered) = Dispatcher::start(other_supervisor, journal, planner, memory.clone(), queues.clone(), settings.clone(), None)?;
+            // Service-wide settings changed in the UI reach every model through the server;
+            // this model's fallback and layer count are changed with `?model=` and saved in
+            // its own file.
+            let (other_dispatcher, recovered) = Dispatcher::start(other_supervisor, journal, planner, memory.clone(), queues.clone(), own_settings, Some(own_file))?;
             if !recovered.is_empty() {
                 eprintln!("headroom: {id}: the journal held {} unfinished requests from the last run", recovered.len());
             }
