@@ -203,24 +203,34 @@ pub async fn cancel(shell: State<'_, Shell>, request_id: String) -> Result<(), S
     json_of(shell.call("POST", &path, None).await?).await.map(|_| ())
 }
 
-/// The settings in force: the body of `GET /v1/settings`, as JSON text (MiB values are u64).
+/// The settings in force: the body of `GET /v1/settings`, as JSON text (MiB values are u64);
+/// `model` names a served model (its fallback model and layer count), default the first.
 #[tauri::command]
 #[specta::specta]
-pub async fn settings(shell: State<'_, Shell>) -> Result<String, String> {
-    json_of(shell.call("GET", "/v1/settings", None).await?).await.map(|v| v.to_string())
+pub async fn settings(shell: State<'_, Shell>, model: Option<String>) -> Result<String, String> {
+    json_of(shell.call("GET", &settings_path(model.as_deref()), None).await?).await.map(|v| v.to_string())
 }
 
-/// Changes settings (`PATCH /v1/settings` with `patch`, a JSON merge patch as text); returns the
-/// response body as JSON text, or the server's error message.
+/// `/v1/settings`, with `?model=` (percent-encoded) when a model is named.
+fn settings_path(model: Option<&str>) -> String {
+    let Some(model) = model else { return "/v1/settings".into() };
+    let encoded: String = model.bytes().map(|b| if b.is_ascii_alphanumeric() || b"-._~".contains(&b) { (b as char).to_string() } else { format!("%{b:02X}") }).collect();
+    format!("/v1/settings?model={encoded}")
+}
+
+/// Changes settings (`PATCH /v1/settings` with `patch`, a JSON merge patch as text; `model`
+/// names whose fallback model and layer count change, default the first); returns the response
+/// body as JSON text, or the server's error message.
 #[tauri::command]
 #[specta::specta]
-pub async fn update_settings(shell: State<'_, Shell>, patch: String) -> Result<String, String> {
-    update_settings_text(&shell, patch).await
+pub async fn update_settings(shell: State<'_, Shell>, patch: String, model: Option<String>) -> Result<String, String> {
+    update_settings_text(&shell, patch, model.as_deref()).await
 }
 
-/// `PATCH /v1/settings` in-process (the command, and the tray's "Pause GPU").
-pub async fn update_settings_text(shell: &Shell, patch: String) -> Result<String, String> {
-    json_of(shell.call("PATCH", "/v1/settings", Some(patch)).await?).await.map(|v| v.to_string())
+/// `PATCH /v1/settings` in-process (the command, and the tray's "Pause GPU", which names no
+/// model: the pause is the service's).
+pub async fn update_settings_text(shell: &Shell, patch: String, model: Option<&str>) -> Result<String, String> {
+    json_of(shell.call("PATCH", &settings_path(model), Some(patch)).await?).await.map(|v| v.to_string())
 }
 
 /// Where the HTTP API listens, for other programs (the desktop app serves them too).

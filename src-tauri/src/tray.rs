@@ -63,7 +63,7 @@ fn build_tray(app: &AppHandle, shell: &Shell) -> tauri::Result<Tray> {
                 let toggle = toggle.clone();
                 tauri::async_runtime::spawn(async move {
                     let patch = serde_json::json!({ "gpu_paused": paused }).to_string();
-                    if let Err(e) = crate::ipc::update_settings_text(&shell, patch).await {
+                    if let Err(e) = crate::ipc::update_settings_text(&shell, patch, None).await {
                         tracing::warn!("cannot pause or resume the GPU: {e}");
                         let _ = toggle.set_checked(!paused);
                     }

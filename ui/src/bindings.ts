@@ -19,13 +19,17 @@ export const commands = {
 	hangUp: (streamId: number) => __TAURI_INVOKE<void>("hang_up", { streamId }),
 	/**  Cancels a request by id (`POST /v1/requests/{id}/cancel`), queued or running. */
 	cancel: (requestId: string) => typedError<null, string>(__TAURI_INVOKE("cancel", { requestId })),
-	/**  The settings in force: the body of `GET /v1/settings`, as JSON text (MiB values are u64). */
-	settings: () => typedError<string, string>(__TAURI_INVOKE("settings")),
 	/**
-	 *  Changes settings (`PATCH /v1/settings` with `patch`, a JSON merge patch as text); returns the
-	 *  response body as JSON text, or the server's error message.
+	 *  The settings in force: the body of `GET /v1/settings`, as JSON text (MiB values are u64);
+	 *  `model` names a served model (its fallback model and layer count), default the first.
 	 */
-	updateSettings: (patch: string) => typedError<string, string>(__TAURI_INVOKE("update_settings", { patch })),
+	settings: (model: string | null) => typedError<string, string>(__TAURI_INVOKE("settings", { model })),
+	/**
+	 *  Changes settings (`PATCH /v1/settings` with `patch`, a JSON merge patch as text; `model`
+	 *  names whose fallback model and layer count change, default the first); returns the response
+	 *  body as JSON text, or the server's error message.
+	 */
+	updateSettings: (patch: string, model: string | null) => typedError<string, string>(__TAURI_INVOKE("update_settings", { patch, model })),
 	/**  Where the HTTP API listens, for other programs (the desktop app serves them too). */
 	apiAddress: () => typedError<string, string>(__TAURI_INVOKE("api_address")),
 };

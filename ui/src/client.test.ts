@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { ChatStream } from "./client";
+import { ChatStream, settingsUrl } from "./client";
 
 const chunk = (content: string, extra: object = {}) =>
   `data: ${JSON.stringify({ id: "chatcmpl-req_1", choices: [{ index: 0, delta: { content }, finish_reason: null }], ...extra })}\n\n`;
@@ -17,5 +17,13 @@ describe("ChatStream (both transports fold the server's SSE text with it)", () =
       expect(content(pieces.push(text.slice(cut)))).toEqual(content(whole));
     }
     expect(whole.text).toBe("And God said");
+  });
+});
+
+describe("settingsUrl", () => {
+  it("names a model in the query, encoded, and the first model without one", () => {
+    expect(settingsUrl("http://h:1")).toBe("http://h:1/v1/settings");
+    expect(settingsUrl("http://h:1", "kjv-embed")).toBe("http://h:1/v1/settings?model=kjv-embed");
+    expect(settingsUrl("", "a b&c")).toBe("/v1/settings?model=a%20b%26c");
   });
 });

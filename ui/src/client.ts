@@ -19,20 +19,29 @@ export interface Transport {
   /** Streams a chat reply; `onReply` sees it grow. Aborting `signal` hangs up (cancels it). */
   chat(messages: ChatMessage[], options: { maxTokens: number; temperature: number }, onReply: (r: Reply, estimatedDelayMs: number | null) => void, signal: AbortSignal): Promise<Reply>;
   cancel(requestId: string): Promise<void>;
-  /** The settings in force (`GET /v1/settings`). */
-  settings(): Promise<SettingsReply>;
-  /** Changes settings (a JSON merge patch); rejects with the server's message. */
-  updateSettings(patch: Json): Promise<SettingsReply>;
+  /** The settings in force (`GET /v1/settings`); `model` names a served model (its fallback
+   *  model and layer count are its own), default the first. */
+  settings(model?: string): Promise<SettingsReply>;
+  /** Changes settings (a JSON merge patch; the fallback model and layer count `model`'s);
+   *  rejects with the server's message. */
+  updateSettings(patch: Json, model?: string): Promise<SettingsReply>;
   /** Where other programs reach this service's HTTP API (`http://host:port`). */
   apiAddress(): Promise<string>;
 }
 
 /** What the server says about settings: all of them, and what a change did. */
 export interface SettingsReply {
+  /** The model the settings are for. */
+  model: string;
   settings: Json;
   changed: string[];
   restart_required: string[];
   file: string | null;
+}
+
+/** `/v1/settings` under `base`, with `?model=` when a model is named. */
+export function settingsUrl(base: string, model?: string): string {
+  return model === undefined ? `${base}/v1/settings` : `${base}/v1/settings?model=${encodeURIComponent(model)}`;
 }
 
 /** Folds a chat stream's SSE text, in whatever pieces it arrives, into the growing reply. */
@@ -121,12 +130,12 @@ export class HttpTransport implements Transport {
     await fetch(`${this.base}/v1/requests/${encodeURIComponent(requestId)}/cancel`, { method: "POST" });
   }
 
-  async settings(): Promise<SettingsReply> {
-    return this.json(await fetch(`${this.base}/v1/settings`));
+  async settings(model?: string): Promise<SettingsReply> {
+    return this.json(await fetch(settingsUrl(this.base, model)));
   }
 
-  async updateSettings(patch: Json): Promise<SettingsReply> {
-    return this.json(await fetch(`${this.base}/v1/settings`, { method: "PATCH", headers: { "content-type": "application/json" }, body: JSON.stringify(patch) }));
+  async updateSettings(patch: Json, model?: string): Promise<SettingsReply> {
+    return this.json(await fetch(settingsUrl(this.base, model), { method: "PATCH", headers: { "content-type": "application/json" }, body: JSON.stringify(patch) }));
   }
 
   async apiAddress(): Promise<string> {
@@ -216,14 +225,14 @@ export class TauriTransport implements Transport {
     if (r.status === "error") throw new Error(r.error);
   }
 
-  async settings(): Promise<SettingsReply> {
-    const r = await commands.settings();
+  async settings(model?: string): Promise<SettingsReply> {
+    const r = await commands.settings(model ?? null);
     if (r.status === "error") throw new Error(r.error);
     return JSON.parse(r.data);
   }
 
-  async updateSettings(patch: Json): Promise<SettingsReply> {
-    const r = await commands.updateSettings(JSON.stringify(patch));
+  async updateSettings(patch: Json, model?: string): Promise<SettingsReply> {
+    const r = await commands.updateSettings(JSON.stringify(patch), model ?? null);
     if (r.status === "error") throw new Error(r.error);
     return JSON.parse(r.data);
   }

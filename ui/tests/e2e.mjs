@@ -285,7 +285,7 @@ try {
     await page.getByTestId("tab-memory").click();
   });
 
-  await check("with several models the chart stacks one area per model and marks an eviction", async () => {
+  await check("with several models the chart stacks one area per model and marks an eviction; settings pick the model", async () => {
     // The page's model and a copy serving embeddings, on a sim GPU that holds one of them.
     const embedder = join(server.dir, "kjv-embed");
     cpSync(join(root, "models/kjv-demo"), embedder, { recursive: true });
@@ -309,6 +309,17 @@ try {
       // Two more samples, so the areas show the turn.
       await new Promise((ok) => setTimeout(ok, 2500));
       await other.screenshot({ path: join(shots, "models-memory-1440x900.png") });
+      // Settings: the fallback model and layer count are the chosen model's.
+      await other.getByTestId("tab-settings").click();
+      const pick = other.getByTestId("setting-model-select");
+      assert.deepEqual(await pick.locator("option").allInnerTexts(), ["kjv-demo (chat)", "kjv-embed (embedding)"]);
+      await pick.selectOption("kjv-embed");
+      await other.getByTestId("setting-gpu-layers").fill("3");
+      await other.getByTestId("settings-save").click();
+      await other.getByTestId("settings-result").filter({ hasText: /settings-kjv-embed\.json/ }).waitFor({ timeout: 10_000 });
+      const embedSettings = await (await fetch(`${models.url}/v1/settings?model=kjv-embed`)).json();
+      assert.equal(embedSettings.settings.gpu_layers, 3);
+      assert.equal((await (await fetch(`${models.url}/v1/settings`)).json()).settings.gpu_layers, null, "the first model's own stays");
     } finally {
       await other.close();
       models.child.kill("SIGTERM");
