@@ -389,17 +389,24 @@ fn overcommit_sizing(bundle: &ModelBundle, sizing: &Sizing, short_tokens: usize,
 /// Runs `work` while sampling the GPU memory Headroom holds on `server` (in use less a
 /// competing program) every 50 ms; gives its output and the peak in MiB.
 async fn with_vram_peak<T>(server: &Server, work: impl std::future::Future<Output = T>) -> (T, f64) {
+    let held = |s: &Value| {
+        let gpu = &s["memory"]["gpu"];
+        gpu["used_bytes"].as_f64().map(|used| (used - gpu["competing_bytes"].as_f64().unwrap_or(0.0)) / MIB as f64)
+    };
+    with_status_peak(server, held, work).await
+}
+
+/// Runs `work` while reading `server`'s `/v1/status` every 50 ms; gives its output and the
+/// largest `measure` (MiB) of the samples.
+async fn with_status_peak<T>(server: &Server, measure: impl Fn(&Value) -> Option<f64>, work: impl std::future::Future<Output = T>) -> (T, f64) {
     tokio::pin!(work);
     let mut peak = 0.0f64;
     loop {
         tokio::select! {
             out = &mut work => return (out, peak),
             _ = tokio::time::sleep(Duration::from_millis(50)) => {
-                if let Ok(s) = server.status().await {
-                    let gpu = &s["memory"]["gpu"];
-                    if let Some(used) = gpu["used_bytes"].as_f64() {
-                        peak = peak.max((used - gpu["competing_bytes"].as_f64().unwrap_or(0.0)) / MIB as f64);
-                    }
+                if let Some(mib) = server.status().await.ok().as_ref().and_then(&measure) {
+                    peak = peak.max(mib);
                 }
             }
         }
@@ -1943,103 +1950,92 @@ async fn shared_gpu_waves(model_dir: &Path, gpu: PressureGpu, sizing: &Sizing, d
     // models' holdings, and the wave's model still evicts the idle one to run.
     let competitor_mib = (sizing.room_mib - sizing.short_request_mib).floor().max(0.0) as u64;
     let waves = [0usize, 2, 1, 0, 1];
-    let sampling = Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let peak = Arc::new(Mutex::new(0.0f64));
-    let sampler = {
-        let (http, base, sampling, peak) = (server.http.clone(), server.base.clone(), sampling.clone(), peak.clone());
-        tokio::spawn(async move {
-            while sampling.load(std::sync::atomic::Ordering::SeqCst) {
-                if let Ok(response) = http.get(format!("{base}/v1/status")).send().await {
-                    if let Ok(s) = response.json::<Value>().await {
-                        // What admission charges each model there (weights and grants), and the
-                        // competing program.
-                        let models: f64 = s["models"].as_array().into_iter().flatten().map(|m| m["gpu_weights_bytes"].as_f64().unwrap_or(0.0) + m["gpu_held_bytes"].as_f64().unwrap_or(0.0)).sum();
-                        let other = s["memory"]["gpu_other_bytes"].as_f64().unwrap_or(0.0);
-                        let mut p = peak.lock().unwrap();
-                        *p = p.max((models + other) / MIB as f64);
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
+    // What admission charges each model on the GPU (weights and grants), and the competing
+    // program.
+    let charged = |s: &Value| {
+        let models: f64 = s["models"].as_array().into_iter().flatten().map(|m| m["gpu_weights_bytes"].as_f64().unwrap_or(0.0) + m["gpu_held_bytes"].as_f64().unwrap_or(0.0)).sum();
+        Some((models + s["memory"]["gpu_other_bytes"].as_f64().unwrap_or(0.0)) / MIB as f64)
     };
-    for (wave, &m) in waves.iter().enumerate() {
-        let model = models[m].clone();
-        let embedding = m == 2;
-        let stream = wave % 2 == 1;
-        let competing = wave == waves.len() - 1 && competitor_mib > 0;
-        let fault = if competing { "competitor_evict_then_kill_9" } else { "evict_then_kill_9" };
-        if competing {
-            // A device-wide fault: every model's sim GPU worker, and the ones launched later, see it.
-            mark(timeline, clock, format!("several models: a competing program takes {competitor_mib} MiB of the shared GPU"));
-            server.fault(json!({"fault": "compete", "mib": competitor_mib})).await?;
-        }
-        let shots: Vec<Shot> = (0..scale.full_load)
-            .map(|i| {
-                let verse = VERSES[i % VERSES.len()];
-                let body = if embedding { json!({"model": model, "input": verse, "encoding_format": "float"}) } else { chat_body(&model, verse, max_tokens, stream && i % 2 == 0) };
-                Shot {
-                    scenario: "models_share_gpu",
-                    class: if embedding { "embedding" } else { "short" },
-                    fault,
-                    stream: !embedding && stream && i % 2 == 0,
-                    prompt_key: format!("models-{model}:{}", i % VERSES.len()),
-                    body,
-                    idempotency_key: None,
-                    disconnect_after_chunks: None,
-                    client_timeout: None,
+    let waves_run = async {
+        for (wave, &m) in waves.iter().enumerate() {
+            let model = models[m].clone();
+            let embedding = m == 2;
+            let stream = wave % 2 == 1;
+            let competing = wave == waves.len() - 1 && competitor_mib > 0;
+            let fault = if competing { "competitor_evict_then_kill_9" } else { "evict_then_kill_9" };
+            if competing {
+                // A device-wide fault: every model's sim GPU worker, and the ones launched later, see it.
+                mark(timeline, clock, format!("several models: a competing program takes {competitor_mib} MiB of the shared GPU"));
+                server.fault(json!({"fault": "compete", "mib": competitor_mib})).await?;
+            }
+            let shots: Vec<Shot> = (0..scale.full_load)
+                .map(|i| {
+                    let verse = VERSES[i % VERSES.len()];
+                    let body = if embedding { json!({"model": model, "input": verse, "encoding_format": "float"}) } else { chat_body(&model, verse, max_tokens, stream && i % 2 == 0) };
+                    Shot {
+                        scenario: "models_share_gpu",
+                        class: if embedding { "embedding" } else { "short" },
+                        fault,
+                        stream: !embedding && stream && i % 2 == 0,
+                        prompt_key: format!("models-{model}:{}", i % VERSES.len()),
+                        body,
+                        idempotency_key: None,
+                        disconnect_after_chunks: None,
+                        client_timeout: None,
+                    }
+                })
+                .collect();
+            eprintln!("pressure: several models, wave {} on {model}", wave + 1);
+            // Slow enough that the wave's model has requests queued behind its full slots.
+            server.fault(json!({"fault": "slowdown", "factor": 20.0, "model": model})).await?;
+            let n = shots.len();
+            let sending = run_all(&server, clock, shots, n);
+            let firing = async {
+                let deadline = Instant::now() + Duration::from_secs(30);
+                loop {
+                    let s = server.status().await?;
+                    let entry = s["models"].as_array().into_iter().flatten().find(|e| e["id"] == model.as_str()).cloned().unwrap_or(Value::Null);
+                    let q = entry["queues"].as_array().into_iter().flatten().find(|q| q["device"] == "gpu").cloned().unwrap_or(Value::Null);
+                    if let (Some(pid), true) = (entry["gpu_pid"].as_u64(), q["running"].as_u64().unwrap_or(0) >= 1 && q["waiting"].as_u64().unwrap_or(0) >= 1) {
+                        mark(timeline, clock, format!("several models: {model} holds the GPU, {} running and {} waiting; its GPU worker killed", q["running"], q["waiting"]));
+                        send_signal(pid as u32, "KILL")?;
+                        return Ok::<_, anyhow::Error>((clock.ms(), pid));
+                    }
+                    if Instant::now() > deadline {
+                        bail!("{model} never filled its GPU slots with requests queued behind them within 30 s");
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
                 }
-            })
-            .collect();
-        eprintln!("pressure: several models, wave {} on {model}", wave + 1);
-        // Slow enough that the wave's model has requests queued behind its full slots.
-        server.fault(json!({"fault": "slowdown", "factor": 20.0, "model": model})).await?;
-        let n = shots.len();
-        let sending = run_all(&server, clock, shots, n);
-        let firing = async {
-            let deadline = Instant::now() + Duration::from_secs(30);
-            loop {
+            };
+            let (burst, fired) = tokio::join!(sending, firing);
+            let (fired_at, killed) = fired?;
+            records.extend(burst);
+            // Restored: the model has a new GPU worker its breaker trusts again, or it is unloaded
+            // (evicted meanwhile, it loads again at its next request).
+            let deadline = Instant::now() + Duration::from_secs(60);
+            let restored = loop {
                 let s = server.status().await?;
                 let entry = s["models"].as_array().into_iter().flatten().find(|e| e["id"] == model.as_str()).cloned().unwrap_or(Value::Null);
-                let q = entry["queues"].as_array().into_iter().flatten().find(|q| q["device"] == "gpu").cloned().unwrap_or(Value::Null);
-                if let (Some(pid), true) = (entry["gpu_pid"].as_u64(), q["running"].as_u64().unwrap_or(0) >= 1 && q["waiting"].as_u64().unwrap_or(0) >= 1) {
-                    mark(timeline, clock, format!("several models: {model} holds the GPU, {} running and {} waiting; its GPU worker killed", q["running"], q["waiting"]));
-                    send_signal(pid as u32, "KILL")?;
-                    return Ok::<_, anyhow::Error>((clock.ms(), pid));
+                let pid = entry["gpu_pid"].as_u64();
+                if (pid.is_some() && pid != Some(killed) && entry["breaker"] == "closed") || entry["gpu_residency"]["state"] == "unloaded" {
+                    break true;
                 }
                 if Instant::now() > deadline {
-                    bail!("{model} never filled its GPU slots with requests queued behind them within 30 s");
+                    break false;
                 }
-                tokio::time::sleep(Duration::from_millis(10)).await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            };
+            recoveries.push(Recovery { fault: fault.into(), stream, restored, recovery_ms: restored.then(|| clock.ms() - fired_at) });
+            server.fault(json!({"fault": "clear", "model": model})).await?;
+            if competing {
+                server.fault(json!({"fault": "compete", "mib": 0})).await?;
+                mark(timeline, clock, "several models: the competing program released");
             }
-        };
-        let (burst, fired) = tokio::join!(sending, firing);
-        let (fired_at, killed) = fired?;
-        records.extend(burst);
-        // Restored: the model has a new GPU worker its breaker trusts again, or it is unloaded
-        // (evicted meanwhile, it loads again at its next request).
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let restored = loop {
-            let s = server.status().await?;
-            let entry = s["models"].as_array().into_iter().flatten().find(|e| e["id"] == model.as_str()).cloned().unwrap_or(Value::Null);
-            let pid = entry["gpu_pid"].as_u64();
-            if (pid.is_some() && pid != Some(killed) && entry["breaker"] == "closed") || entry["gpu_residency"]["state"] == "unloaded" {
-                break true;
-            }
-            if Instant::now() > deadline {
-                break false;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        };
-        recoveries.push(Recovery { fault: fault.into(), stream, restored, recovery_ms: restored.then(|| clock.ms() - fired_at) });
-        server.fault(json!({"fault": "clear", "model": model})).await?;
-        if competing {
-            server.fault(json!({"fault": "compete", "mib": 0})).await?;
-            mark(timeline, clock, "several models: the competing program released");
         }
-    }
-    sampling.store(false, std::sync::atomic::Ordering::SeqCst);
-    let _ = sampler.await;
+        Ok::<_, anyhow::Error>(())
+    };
+    let (waves_done, peak_gpu_mib) = with_status_peak(&server, charged, waves_run).await;
+    waves_done?;
     reconcile(&server, &mut records[first..]).await;
     let metrics = server.http.get(format!("{}/metrics", server.base)).send().await?.text().await?;
     let evictions = metrics.lines().filter(|l| l.starts_with("headroom_model_gpu_unloads_total{")).filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok()).sum();
@@ -2066,6 +2062,5 @@ async fn shared_gpu_waves(model_dir: &Path, gpu: PressureGpu, sizing: &Sizing, d
         })
         .collect();
     server.stop().await;
-    let peak_gpu_mib = *peak.lock().unwrap();
     Ok(SharedRun { models, evictions, on_gpu, loads, latency_ms, peak_gpu_mib, limit_mib, competitor_mib })
 }
