@@ -22,7 +22,7 @@ pub use dispatch::{
 pub use events::{EventKind, ServiceEvent};
 pub use lane::Lane;
 pub use journal::{Accepted, EndCause, Journal, JournalError, NewRequest, Recovery, RequestRecord, RequestState, Transition};
-pub use settings::{Settings, SettingsFile};
+pub use settings::{Settings, SettingsFile, MODEL_SETTINGS};
 pub use degraded::{degradation, Degradation};
 pub use supervisor::{AttemptError, CancelSignal, Progress, CpuSetup, DeviceStatus, FailoverRecord, GpuResidency, RunOutcome, RunRequest, StreamedToken, LayerPlanner, SupervisionConfig, Supervisor, SupervisorConfig, Target, VramRoom};
 pub use worker::{BoxFuture, ExitInfo, HealthReport, ProcessLauncher, ReadyInfo, Worker, WorkerLauncher, WorkerLink, WorkerSpec};

@@ -52,6 +52,10 @@ impl Default for Settings {
 /// Settings that only a restart applies.
 pub const RESTART_SETTINGS: [&str; 2] = ["gpu_device", "gpu_layers"];
 
+/// Settings each served model has its own of (the others are the service's, the same for
+/// every model).
+pub const MODEL_SETTINGS: [&str; 2] = ["fallback_model", "gpu_layers"];
+
 impl Settings {
     /// Checks every value; the error names the setting and what it accepts.
     pub fn validate(&self) -> Result<(), String> {

@@ -453,8 +453,7 @@ fn served_model_details(state: &AppState) -> openai::ModelDetails {
 }
 
 /// Where the served model is loaded now, what each device holds of it, and its last use.
-fn served_model_now(state: &AppState) -> openai::ModelDetails {
-    let s = state.dispatcher.status();
+fn served_model_now(state: &AppState, s: &headroom_router::ServiceStatus) -> openai::ModelDetails {
     let gpu = s.workers.iter().find(|w| w.lane == headroom_router::Lane::Gpu && w.pid.is_some() && w.state != headroom_router::WorkerState::Unloaded);
     let mut resident = std::collections::BTreeMap::new();
     if let (Some(_), Some(reading)) = (gpu, s.gpu_memory.as_ref()) {
@@ -485,7 +484,7 @@ fn served_model_now(state: &AppState) -> openai::ModelDetails {
 fn model_cards(state: &Arc<AppState>) -> Vec<openai::ModelCard> {
     let card = |id: String, headroom: openai::ModelDetails| openai::ModelCard { id, object: "model".into(), created: state.created_unix, owned_by: "headroom".into(), headroom };
     let served = state.served();
-    let mut cards: Vec<openai::ModelCard> = served.iter().map(|m| card(m.model_id.clone(), served_model_now(m))).collect();
+    let mut cards: Vec<openai::ModelCard> = served.iter().map(|m| card(m.model_id.clone(), served_model_now(m, &m.dispatcher.status()))).collect();
     let served_paths: Vec<_> = served.iter().filter_map(|m| m.bundle.path.canonicalize().ok()).collect();
     for path in headroom_model::bundle::installed_models() {
         if path.canonicalize().ok().is_some_and(|p| served_paths.contains(&p)) {
@@ -711,9 +710,9 @@ fn status_body(state: &Arc<AppState>) -> StatusBody {
             .served()
             .iter()
             .map(|m| {
-                let now = served_model_now(m);
+                let s = m.dispatcher.status();
+                let now = served_model_now(m, &s);
                 let (gpu_weights, gpu_held) = m.dispatcher.held_on_gpu();
-                let degradation = m.dispatcher.status().degradation;
                 json!({
                     "id": m.model_id,
                     "role": m.role.as_str(),
@@ -724,13 +723,13 @@ fn status_body(state: &Arc<AppState>) -> StatusBody {
                     "gpu_weights_bytes": gpu_weights,
                     "gpu_held_bytes": gpu_held,
                     "last_used_unix_ms": now.last_used_unix_ms,
-                    "gpu_residency": m.dispatcher.supervisor().gpu_residency(),
+                    "gpu_residency": s.gpu_residency,
                     "gpu_pid": m.dispatcher.supervisor().gpu_worker().map(|w| w.pid),
-                    "breaker": m.dispatcher.supervisor().status().breaker,
+                    "breaker": s.breaker,
                     // Each model's own degraded mode: the tray and the page follow every model.
-                    "degraded": degradation.is_some(),
-                    "degraded_summary": degradation.map(|d| d.summary),
-                    "queues": m.dispatcher.queues(),
+                    "degraded": s.degradation.is_some(),
+                    "degraded_summary": s.degradation.map(|d| d.summary),
+                    "queues": s.queues,
                 })
             })
             .collect(),
@@ -808,7 +807,7 @@ async fn update_settings(State(state): Shared, query: Result<Query<SettingsQuery
     // and context) apply to every served model; the fallback model and the layer count are
     // the named model's own.
     if let Some(fields) = patch.as_object() {
-        let shared: serde_json::Map<String, Value> = fields.iter().filter(|(k, _)| !matches!(k.as_str(), "fallback_model" | "gpu_layers")).map(|(k, v)| (k.clone(), v.clone())).collect();
+        let shared: serde_json::Map<String, Value> = fields.iter().filter(|(k, _)| !headroom_router::MODEL_SETTINGS.contains(&k.as_str())).map(|(k, v)| (k.clone(), v.clone())).collect();
         if !shared.is_empty() {
             for other in state.served().iter().filter(|m| m.model_id != target.model_id) {
                 if let Err(e) = other.dispatcher.update_settings(&Value::Object(shared.clone())).await {
@@ -930,7 +929,7 @@ fn model_metrics(state: &Arc<AppState>) -> String {
     let mut loads = String::from("# HELP headroom_model_gpu_loads Times the model was loaded on the GPU for a request (after an unload, an eviction, or a start without it)\n# TYPE headroom_model_gpu_loads counter\n");
     let mut unloads = String::from("# HELP headroom_model_gpu_unloads Times the GPU's copy of the model was unloaded (keep_alive) or evicted for another model\n# TYPE headroom_model_gpu_unloads counter\n");
     for m in state.served() {
-        let now = served_model_now(&m);
+        let now = served_model_now(&m, &m.dispatcher.status());
         let model = label(&m.model_id);
         let on_gpu = matches!(now.state.as_deref(), Some("gpu") | Some("split"));
         loaded.push_str(&format!("headroom_model_loaded_on_gpu{{model=\"{model}\",role=\"{}\"}} {}\n", m.role.as_str(), u8::from(on_gpu)));
