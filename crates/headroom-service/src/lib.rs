@@ -345,6 +345,18 @@ struct LayerPlacement {
 }
 
 impl LayerPlacement {
+    /// A model's placement: its layer count from its settings (saved from the settings
+    /// screen), else its [[models]] entry, else `[memory] gpu_layers`.
+    fn new(bundle: ModelBundle, device: Device, memory: &MemoryConfig, settings: &Settings, entry: &ModelEntry) -> Self {
+        Self {
+            bundle,
+            device,
+            memory: MemoryConfig { vram_reserve_mib: settings.vram_reserve_mib, gpu_layers: settings.gpu_layers.or(entry.gpu_layers).unwrap_or(memory.gpu_layers), ..memory.clone() },
+            from_settings: settings.gpu_layers.is_some(),
+            bandwidths: Default::default(),
+        }
+    }
+
     fn plan(&self, room: headroom_router::VramRoom) -> Result<headroom_memory::SplitPlan, String> {
         let label = self.device.label();
         let usable = room.free_bytes.min(room.total_bytes).saturating_sub(self.memory.vram_reserve_bytes(room.total_bytes));
@@ -474,6 +486,7 @@ pub async fn run(
     }
     let model_dir = resolve_model(&primary.source);
     let bundle = ModelBundle::open(&model_dir).with_context(|| format!("cannot open the model folder {}", model_dir.display()))?;
+    let model_id = primary.id(&bundle)?;
     let mut gpu = gpu_worker(args.gpu, args.sim_vram_mib, settings.gpu_device)?;
     match gpu.as_mut() {
         // The sim GPU counts each request's KV blocks as they are written, so it can take the
@@ -490,15 +503,7 @@ pub async fn run(
         }
         _ => {}
     }
-    let layer_placement = gpu.as_ref().map(|gpu| {
-        Arc::new(LayerPlacement {
-            bundle: bundle.clone(),
-            device: gpu.device,
-            memory: MemoryConfig { vram_reserve_mib: settings.vram_reserve_mib, gpu_layers: settings.gpu_layers.or(primary.gpu_layers).unwrap_or(memory.gpu_layers), ..memory.clone() },
-            from_settings: settings.gpu_layers.is_some(),
-            bandwidths: Default::default(),
-        })
-    });
+    let layer_placement = gpu.as_ref().map(|gpu| Arc::new(LayerPlacement::new(bundle.clone(), gpu.device, &memory, &settings, &primary)));
     // The GPU worker launches with the layers of this plan (the supervisor's `placement`); no
     // Headroom worker holds VRAM yet. Without a reading (no NVML) every layer loads.
     let placement = match (&layer_placement, gpu.as_ref().and_then(|gpu| headroom_router::VramRoom::of(gpu, 0))) {
@@ -548,7 +553,6 @@ pub async fn run(
                 recovered.len() - rerun
             );
         }
-        let model_id = primary.id(&bundle)?;
         let limits = Limits { context_tokens: bundle.config.max_position_embeddings, default_max_tokens: server.default_max_tokens };
         let bundle = Arc::new(bundle);
         let mut served = vec![headroom_server::ServedModel { dispatcher: dispatcher.clone(), bundle: bundle.clone(), model_id: model_id.clone(), limits: limits.clone(), role: primary.role }];
@@ -577,13 +581,7 @@ pub async fn run(
             let mut config = SupervisorConfig::new(std::env::current_exe()?, dir.clone(), other_gpu.clone());
             // Its layers planned from the VRAM free at each launch, as the first model's.
             config.replan = other_gpu.as_ref().map(|gpu| {
-                let placer = LayerPlacement {
-                    bundle: other.clone(),
-                    device: gpu.device,
-                    memory: MemoryConfig { vram_reserve_mib: settings.vram_reserve_mib, gpu_layers: own_settings.gpu_layers.or(entry.gpu_layers).unwrap_or(memory.gpu_layers), ..memory.clone() },
-                    from_settings: own_settings.gpu_layers.is_some(),
-                    bandwidths: Default::default(),
-                };
+                let placer = LayerPlacement::new(other.clone(), gpu.device, &memory, &own_settings, entry);
                 headroom_router::LayerPlanner(Arc::new(move |room| placer.plan(room)))
             });
             config.cpu = other_cpu.clone();
