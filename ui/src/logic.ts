@@ -356,55 +356,44 @@ export class MemoryHistory {
     const weights = mib(gpu?.weights_bytes);
     const held = mib(status.memory?.gpu_held_bytes ?? gpu?.reserved_bytes);
     const models: Json[] = status.models ?? [];
-    if (models.length > 1) {
-      const ids = models.map((m) => String(m.id));
-      // Another set of models (a restart): the old samples no longer line up with the areas.
-      if (ids.join("\n") !== this.modelIds.join("\n")) {
-        this.modelIds = ids;
-        this.points = [];
-      }
-      const limit = capacity !== null && reserve !== null ? capacity - reserve : null;
-      this.push({
-        t: tMs / 1000,
-        vramUsed: used,
-        vramWeights: null,
-        vramReserved: null,
-        vramOther: mib(status.memory?.gpu_other_bytes),
-        vramKvWritten: null,
-        vramCapacity: capacity,
-        // While the first model is unloaded its reading is gone: the limit stays where it was.
-        vramLimit: limit ?? this.points.at(-1)?.vramLimit ?? null,
-        hostUsed: host ? (host.total_bytes - host.available_bytes) / MIB : null,
-        vramModels: models.map((m) => (typeof m.gpu_weights_bytes === "number" ? (m.gpu_weights_bytes + (m.gpu_held_bytes ?? 0)) / MIB : null)),
-      });
-      return;
+    // Several models: one area per model (what each holds there) and what none of them holds,
+    // in place of one model's parts.
+    const several = models.length > 1;
+    const ids = several ? models.map((m) => String(m.id)) : [];
+    // Another set of models (a restart): the old samples no longer line up with the areas.
+    if (ids.join("\n") !== this.modelIds.join("\n")) {
+      this.modelIds = ids;
+      if (several) this.points = [];
     }
-    this.modelIds = [];
+    const limit = capacity !== null && reserve !== null ? capacity - reserve : null;
     this.push({
       t: tMs / 1000,
       vramUsed: used,
-      vramWeights: weights,
-      vramReserved: held,
-      vramOther: used !== null ? Math.max(0, used - (weights ?? 0) - (held ?? 0)) : null,
-      vramKvWritten: mib(status.memory?.gpu_kv?.resident_bytes),
+      vramWeights: several ? null : weights,
+      vramReserved: several ? null : held,
+      vramOther: several ? mib(status.memory?.gpu_other_bytes) : used !== null ? Math.max(0, used - (weights ?? 0) - (held ?? 0)) : null,
+      vramKvWritten: several ? null : mib(status.memory?.gpu_kv?.resident_bytes),
       vramCapacity: capacity,
-      vramLimit: capacity !== null && reserve !== null ? capacity - reserve : null,
+      // While the first of several models is unloaded its reading is gone: the limit stays.
+      vramLimit: several ? (limit ?? this.points.at(-1)?.vramLimit ?? null) : limit,
       hostUsed: host ? (host.total_bytes - host.available_bytes) / MIB : null,
-      vramModels: [],
+      vramModels: several ? models.map((m) => (typeof m.gpu_weights_bytes === "number" ? (m.gpu_weights_bytes + (m.gpu_held_bytes ?? 0)) / MIB : null)) : [],
     });
   }
 
   addEvent(name: string, event: Json) {
     const t = (event.at_unix_ms ?? Date.now()) / 1000;
+    // With several models, a lifecycle mark names its model.
+    const model: string | null = event.model && this.modelIds.length > 1 ? event.model : null;
     if (name === "failover") this.mark({ t, kind: "failover", label: `failover ${event.from}→${event.to}` });
     else if (name === "breaker_changed") this.mark({ t, kind: "breaker", label: `breaker ${event.to}` });
     else if (name === "degraded") this.mark({ t, kind: "degraded", label: event.degraded ? "degraded" : "recovered" });
     // The GPU worker's layers were placed again at a restart (more or less VRAM free).
-    else if (name === "placement_changed") this.mark({ t, kind: "placement", label: `${event.model && this.modelIds.length > 1 ? `${event.model}: ` : ""}layers ${event.gpu_layers}/${event.layers} on the GPU` });
+    else if (name === "placement_changed") this.mark({ t, kind: "placement", label: `${model ? `${model}: ` : ""}layers ${event.gpu_layers}/${event.layers} on the GPU` });
     // keep_alive: the GPU's copy of the model left (VRAM freed) or is loading for a request.
-    // With several models, the event names its model, and an unload may be an eviction.
-    else if (name === "gpu_model_unloaded") this.mark({ t, kind: "residency", label: event.model && this.modelIds.length > 1 ? `${event.model} ${String(event.reason ?? "").startsWith("evicted") ? "evicted" : "unloaded"}` : "model unloaded (keep_alive)" });
-    else if (name === "gpu_model_loading") this.mark({ t, kind: "residency", label: event.model && this.modelIds.length > 1 ? `${event.model} loading on the GPU` : "model loading on the GPU" });
+    // With several models, an unload may be an eviction.
+    else if (name === "gpu_model_unloaded") this.mark({ t, kind: "residency", label: model ? `${model} ${String(event.reason ?? "").startsWith("evicted") ? "evicted" : "unloaded"}` : "model unloaded (keep_alive)" });
+    else if (name === "gpu_model_loading") this.mark({ t, kind: "residency", label: model ? `${model} loading on the GPU` : "model loading on the GPU" });
   }
 
   private push(p: MemoryPoint) {
