@@ -169,18 +169,26 @@ async fn negative_control_a_host_ledger_per_model_is_caught() {
     assert_eq!(b_sees, 0, "with a ledger per model, B sees nothing of A's grant (the defect the test above catches)");
 }
 
-/// A's GPU worker dies while A is idle, and B's request arrives while A restarts: whether both
-/// models ever held a GPU worker at once, and where B's request ran.
+/// A's GPU worker dies with its 4 slots full and 4 requests queued behind them (half of them
+/// streaming), and B's request arrives while A restarts: whether both models ever held a GPU
+/// worker at once, and where B's request ran. Nothing of A's or B's is lost.
 async fn request_beside_a_restart(defect: Option<Defect>) -> (bool, Device) {
     let workers = Arc::new(Workers::default());
     let share = GpuShare::new();
     let a = model(&workers, &share, "a", true, false, defect).await;
     let b = model(&workers, &share, "b", false, false, defect).await;
     let (overlap, stop) = watch_overlap(&a, &b);
+    let tickets: Vec<Ticket> = (0..8).map(|i| a.submit(submission(&format!("a-{i}"), prompt(i), 60, i % 2 == 0)).unwrap()).collect();
+    let gpu = |d: &Dispatcher| d.queues().into_iter().find(|q| q.device == Lane::Gpu).unwrap();
+    until(10, "A's 4 slots full and 4 queued", || gpu(&a).running == 4 && gpu(&a).waiting == 4).await;
     workers.kill_latest(Device::Sim);
     until(10, "A's dead GPU worker noticed", || !loaded(&a)).await;
     let e = ends(vec![b.submit(submission("b-1", prompt(0), 8, false)).unwrap()]).await;
     assert!(e.lost.is_empty(), "{:?}", e.lost);
+    let a_ends = ends(tickets).await;
+    assert!(a_ends.lost.is_empty(), "A's requests lost after acceptance: {:?}", a_ends.lost);
+    assert_eq!(a_ends.completed.len(), 8);
+    assert!(a_ends.completed.iter().all(|c| c.outcome.tokens.len() == 60), "every request of A ends with all its tokens");
     until(10, "A's GPU worker back", || loaded(&a)).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     stop.store(true, Ordering::SeqCst);
