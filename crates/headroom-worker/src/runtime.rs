@@ -75,8 +75,9 @@ struct State {
     ledger: Option<Ledger>,
     /// The latest memory reading. Health answers use it: reading the device live can wait
     /// behind a kernel compilation (cubecl holds its device client), and a busy worker must
-    /// still answer.
-    latest_memory: Mutex<MemoryReading>,
+    /// still answer. Each reading carries the number it was taken under ([`Self::keep_reading`]).
+    latest_memory: Mutex<(u64, MemoryReading)>,
+    readings_taken: AtomicU64,
     /// Prefills and tokens produced so far (health reports it; see [`FromWorker::HealthOk`]).
     progress: AtomicU64,
     /// The running requests' KV blocks written so far, in bytes (sim: what the device holds of
@@ -106,7 +107,8 @@ pub fn run(options: WorkerOptions, input: impl Read, output: impl Write + Send +
         faults: FaultState::new(ledger.clone()),
         ledger,
         options,
-        latest_memory: Mutex::new(MemoryReading::default()),
+        latest_memory: Mutex::new((0, MemoryReading::default())),
+        readings_taken: AtomicU64::new(0),
         progress: AtomicU64::new(0),
         kv_resident: AtomicU64::new(0),
         preemptions: AtomicU64::new(0),
@@ -150,7 +152,7 @@ pub fn run(options: WorkerOptions, input: impl Read, output: impl Write + Send +
             ToWorker::Health { nonce } => state.out.send(&FromWorker::HealthOk {
                 nonce,
                 active_requests: state.active.lock().unwrap().len() as u32,
-                memory: if state.health_reads_device { state.read_memory() } else { state.latest_memory.lock().unwrap().clone() },
+                memory: if state.health_reads_device { state.read_memory() } else { state.latest_memory.lock().unwrap().1.clone() },
                 progress: state.progress.load(Ordering::SeqCst),
             }),
             ToWorker::Probe { canary_bytes } => {
@@ -342,20 +344,31 @@ impl State {
 
     /// Reads the device's memory now (it may wait for the device) and keeps it for health.
     fn read_memory(&self) -> MemoryReading {
+        let taken = self.readings_taken.fetch_add(1, Ordering::SeqCst) + 1;
         let reading = match self.options.device {
             Device::Sim => self.faults.with_device(|| self.memory()),
             _ => self.memory(),
         };
-        *self.latest_memory.lock().unwrap() = reading.clone();
+        self.keep_reading(taken, reading.clone());
         reading
+    }
+
+    /// Keeps `reading` for health answers unless one begun after it is kept already: the batch
+    /// thread's reading, begun before the prefix cache was dropped and finished after, must not
+    /// bring the dropped blocks back.
+    fn keep_reading(&self, taken: u64, reading: MemoryReading) {
+        let mut latest = self.latest_memory.lock().unwrap();
+        if taken > latest.0 {
+            *latest = (taken, reading);
+        }
     }
 
     /// Keeps a reading for health answers after a message changed what it says (a fault, the
     /// prefix cache dropped, the reserve changed): taken without waiting for the device (faults
     /// and the reserve exist on the sim device only, whose ledger reads at once).
     fn refresh_latest_memory(&self) {
-        let reading = self.memory();
-        *self.latest_memory.lock().unwrap() = reading;
+        let taken = self.readings_taken.fetch_add(1, Ordering::SeqCst) + 1;
+        self.keep_reading(taken, self.memory());
     }
 
     fn memory(&self) -> MemoryReading {
@@ -577,8 +590,11 @@ impl State {
             for gone in left {
                 let run = running.remove(&gone.key).expect("every batched request is running");
                 let last = run.last_frame(&gone.key, &gone.session, gone.error, faulted.contains(&gone.key));
-                // The reservation is free before the router hears the request ended.
+                // The reservation is free, and the session's blocks are in the prefix cache,
+                // before the router hears the request ended: a drop of the prefix cache or a
+                // request sent after that frame sees them.
                 drop(run);
+                drop(gone.session);
                 self.finish(&gone.key, last);
             }
             self.read_memory();
