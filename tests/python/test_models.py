@@ -217,3 +217,16 @@ def test_each_model_has_its_own_fallback_and_layers_in_settings(two_models):
         r = httpx.patch(url, params={"model": "kjv-embed"}, json={"fallback_model": None, "gpu_layers": None}, timeout=120)
         assert r.status_code == 200, r.text
         assert httpx.patch(url, json={"cpu_max_context_tokens": first["settings"]["cpu_max_context_tokens"]}, timeout=120).status_code == 200
+
+
+def test_every_route_names_a_model_alike(two_models):
+    """Ollama's `name:tag` and `default` name a model on the OpenAI routes too: one check of a
+    request's model for every route."""
+    for model in ["kjv-demo:latest", "default"]:
+        assert chat(two_models.url, model).status_code == 200, model
+        r = httpx.post(two_models.url + "/v1/completions", json={"model": model, "prompt": "And God said", "max_tokens": 4}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "kjv-demo"
+    assert embed(two_models.url, "kjv-embed:latest").status_code == 200
+    r = httpx.post(two_models.url + "/v1/completions", json={"model": "llama3:latest", "prompt": "a", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 404 and '"kjv-demo", "kjv-embed"' in r.json()["error"]["message"], r.text

@@ -425,10 +425,10 @@ pub(crate) async fn chat(State(state): Shared, headers: HeaderMap, body: std::re
         }
         messages.push(json!({"role": m.get("role").cloned().unwrap_or(Value::Null), "content": m.get("content").cloned().unwrap_or(json!(""))}));
     }
-    openai_body.insert("model".into(), json!("default"));
+    openai_body.insert("model".into(), json!(state.model_id));
     openai_body.insert("messages".into(), Value::Array(messages));
     let body: ChatCompletionRequest = serde_json::from_value(Value::Object(openai_body)).map_err(|e| ApiError::invalid("messages", format!("messages: {e}")))?;
-    let prepared = openai::prepare_chat(&state.bundle, &state.model_id, &limits, &body)?;
+    let prepared = openai::prepare_chat(&state.bundle, &limits, &body)?;
     keep_alive.inspect(|k| state.dispatcher.set_keep_alive(*k));
     answer(state, &headers, &raw, prepared, Shape::Chat, started).await
 }
@@ -453,12 +453,12 @@ pub(crate) async fn generate(State(state): Shared, headers: HeaderMap, body: std
     let stream = request.stream.unwrap_or(true);
     let mut openai_body = Map::new();
     let limits = translate_options(request.options, &state.limits_now(), stream, &mut openai_body)?;
-    openai_body.insert("model".into(), json!("default"));
+    openai_body.insert("model".into(), json!(state.model_id));
     let prepared = if request.raw {
         // The prompt as given, no template.
         openai_body.insert("prompt".into(), json!(request.prompt));
         let body: CompletionRequest = serde_json::from_value(Value::Object(openai_body)).map_err(|e| ApiError::invalid("prompt", format!("prompt: {e}")))?;
-        openai::prepare_completion(&state.bundle, &state.model_id, &limits, &body)?
+        openai::prepare_completion(&state.bundle, &limits, &body)?
     } else {
         let mut messages = Vec::new();
         if let Some(system) = request.system.filter(|s| !s.is_empty()) {
@@ -467,7 +467,7 @@ pub(crate) async fn generate(State(state): Shared, headers: HeaderMap, body: std
         messages.push(json!({"role": "user", "content": request.prompt}));
         openai_body.insert("messages".into(), Value::Array(messages));
         let body: ChatCompletionRequest = serde_json::from_value(Value::Object(openai_body)).map_err(|e| ApiError::invalid("prompt", format!("prompt: {e}")))?;
-        openai::prepare_chat(&state.bundle, &state.model_id, &limits, &body)?
+        openai::prepare_chat(&state.bundle, &limits, &body)?
     };
     keep_alive.inspect(|k| state.dispatcher.set_keep_alive(*k));
     answer(state, &headers, &raw, prepared, Shape::Generate, started).await

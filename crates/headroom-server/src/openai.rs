@@ -142,18 +142,6 @@ pub struct Limits {
 
 const MAX_STOP_SEQUENCES: usize = 4;
 
-pub(crate) fn check_model(requested: &str, served: &str) -> Result<(), ApiError> {
-    if requested == served || requested == "default" {
-        return Ok(());
-    }
-    let mut e = ApiError::not_found(
-        "model_not_found",
-        format!("model {requested:?} is not served here; this server serves {served:?} (see GET /v1/models). Models are chosen with `headroom serve --model`, never per request"),
-    );
-    e.param = Some("model".into());
-    Err(e)
-}
-
 fn prepare(limits: &Limits, prompt_tokens: Vec<u32>, p: &CommonParams, tools: bool) -> Result<Prepared, ApiError> {
     if let Some(n) = p.n {
         if n != 1 {
@@ -242,8 +230,7 @@ fn prepare(limits: &Limits, prompt_tokens: Vec<u32>, p: &CommonParams, tools: bo
 
 const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 
-pub fn prepare_chat(bundle: &ModelBundle, served: &str, limits: &Limits, body: &ChatCompletionRequest) -> Result<Prepared, ApiError> {
-    check_model(&body.model, served)?;
+pub fn prepare_chat(bundle: &ModelBundle, limits: &Limits, body: &ChatCompletionRequest) -> Result<Prepared, ApiError> {
     if body.messages.is_empty() {
         return Err(ApiError::invalid("messages", "messages is empty: send at least one message"));
     }
@@ -295,8 +282,7 @@ pub fn prepare_chat(bundle: &ModelBundle, served: &str, limits: &Limits, body: &
     Ok(prepared)
 }
 
-pub fn prepare_completion(bundle: &ModelBundle, served: &str, limits: &Limits, body: &CompletionRequest) -> Result<Prepared, ApiError> {
-    check_model(&body.model, served)?;
+pub fn prepare_completion(bundle: &ModelBundle, limits: &Limits, body: &CompletionRequest) -> Result<Prepared, ApiError> {
     if body.echo == Some(true) {
         return Err(ApiError::invalid("echo", "echo is not supported; leave it out or false"));
     }

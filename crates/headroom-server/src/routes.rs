@@ -201,7 +201,7 @@ async fn chat_completions(State(state): Shared, headers: HeaderMap, body: Result
     let (request, raw): (ChatCompletionRequest, Bytes) = parse_body(body)?;
     let state = state.for_model(&request.model)?;
     state.check_role(crate::Role::Chat)?;
-    let prepared = openai::prepare_chat(&state.bundle, &state.model_id, &state.limits_now(), &request)?;
+    let prepared = openai::prepare_chat(&state.bundle, &state.limits_now(), &request)?;
     serve(state, &headers, &raw, prepared, Kind::Chat).await
 }
 
@@ -219,7 +219,7 @@ async fn completions(State(state): Shared, headers: HeaderMap, body: Result<Byte
     let (request, raw): (CompletionRequest, Bytes) = parse_body(body)?;
     let state = state.for_model(&request.model)?;
     state.check_role(crate::Role::Chat)?;
-    let prepared = openai::prepare_completion(&state.bundle, &state.model_id, &state.limits_now(), &request)?;
+    let prepared = openai::prepare_completion(&state.bundle, &state.limits_now(), &request)?;
     serve(state, &headers, &raw, prepared, Kind::Text).await
 }
 
