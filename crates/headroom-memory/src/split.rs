@@ -188,7 +188,17 @@ pub fn plan_model_split(
         host_bandwidth: bandwidths.host,
         gpu_bandwidth: bandwidths.gpu,
     };
-    plan_split(&gpu, &cpu, &planner.calibration, inputs, config.gpu_layers)
+    let plan = plan_split(&gpu, &cpu, &planner.calibration, inputs, config.gpu_layers)?;
+    if !bundle.config.is_encoder() || plan.gpu_layers == 0 || plan.gpu_layers == plan.layers {
+        return Ok(plan);
+    }
+    // An encoder runs whole on one device (headroom_model::bert): no split.
+    if let GpuLayers::Count(n) = config.gpu_layers {
+        return Err(format!("gpu_layers = {n} would split {}, an encoder, which runs whole on one device; leave gpu_layers out or set it to {}", bundle.name(), plan.layers));
+    }
+    let mut on_cpu = plan_split(&gpu, &cpu, &planner.calibration, inputs, GpuLayers::Count(0))?;
+    on_cpu.reason = format!("all on the CPU: {} is an encoder, which runs whole, and only {} of its {} layers fit on the GPU now", bundle.name(), plan.gpu_layers, plan.layers);
+    Ok(on_cpu)
 }
 
 /// Read bandwidths in bytes/s for a split's speed estimate, where known.

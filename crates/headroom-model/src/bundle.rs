@@ -137,15 +137,25 @@ impl ModelBundle {
         let config_path = dir.join("config.json");
         let config_text = std::fs::read_to_string(&config_path)
             .map_err(|e| folder_error(&dir, format!("cannot read config.json: {e}")))?;
-        let config = LlamaConfig::from_json(&config_text)?;
+        let mut config = LlamaConfig::from_json(&config_text)?;
+        if config.is_encoder() {
+            crate::bert::read_folder(&dir, &mut config)?;
+        }
 
         let tokenizer_path = dir.join("tokenizer.json");
         if !tokenizer_path.exists() {
             return Err(folder_error(&dir, "has no tokenizer.json (the fast tokenizer file)"));
         }
-        let tokenizer = Tokenizer::from_file(&tokenizer_path).map_err(|e| {
+        let mut tokenizer = Tokenizer::from_file(&tokenizer_path).map_err(|e| {
             Error::Tokenizer(format!("{} does not load: {e}", tokenizer_path.display()))
         })?;
+        // A request's tokens are what its text encodes to: never padded, never cut short
+        // (sentence-transformers' tokenizer.json pads and truncates to 128; too long a prompt is
+        // refused naming the limit instead).
+        tokenizer.with_padding(None);
+        tokenizer
+            .with_truncation(None)
+            .map_err(|e| Error::Tokenizer(format!("{}: cannot turn truncation off: {e}", tokenizer_path.display())))?;
 
         let tokenizer_config = read_json(&dir.join("tokenizer_config.json"))?;
         let template = match &tokenizer_config {
@@ -185,6 +195,12 @@ impl ModelBundle {
         let mut weight_file_bytes = 0;
         for name in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
             hash_file(&mut hasher, &dir.join(name))?;
+        }
+        if config.is_encoder() {
+            // They set the context and the pooling.
+            for name in ["sentence_bert_config.json", "1_Pooling/config.json"] {
+                hash_file(&mut hasher, &dir.join(name))?;
+            }
         }
         for path in weight_paths(&dir)? {
             weight_file_bytes += std::fs::metadata(&path)?.len();
@@ -229,6 +245,7 @@ impl ModelBundle {
         matrices: DType,
         on_layer: impl FnMut(usize, usize),
     ) -> Result<Llama<B>> {
+        self.refuse_encoder("the decoder")?;
         if self.format.container == "gguf" {
             let file = GgufFile::open(&self.path)?;
             let weights = crate::gguf_model::GgufWeights { file: &file, config: &self.config };
@@ -254,6 +271,10 @@ impl ModelBundle {
     /// step to read. bf16 where the model is bf16 (its activations may need bf16's range), f16
     /// otherwise (finer: quantized files' blocks carry f16 scales).
     pub fn gpu_matrix_dtype(&self) -> DType {
+        if self.config.is_encoder() {
+            // See `crate::bert`: an encoder stays f32.
+            return DType::F32;
+        }
         match self.format.quantization.as_str() {
             "BF16" => DType::BF16,
             _ => DType::F16,
@@ -269,12 +290,29 @@ impl ModelBundle {
     /// The CPU engine with the embedding, the first `layers` layers, the final norm and the
     /// head: a split model's CPU part.
     pub fn load_cpu_layers(&self, layers: usize, on_layer: impl FnMut(usize, usize)) -> Result<crate::cpu::CpuModel> {
+        self.refuse_encoder("the CPU engine")?;
         if self.format.container == "gguf" {
             let file = GgufFile::open(&self.path)?;
             return crate::cpu::CpuModel::from_gguf(&file, &self.config, layers, on_layer);
         }
         let files = WeightFiles::open(&self.path)?;
         crate::cpu::CpuModel::from_tensors(&files, &self.config, layers, on_layer)
+    }
+
+    /// Loads an encoder (see [`crate::bert`]) onto `device`, every weight f32.
+    pub fn load_encoder<B: Backend>(&self, device: &B::Device, on_layer: impl FnMut(usize, usize)) -> Result<crate::bert::Bert<B>> {
+        if !self.config.is_encoder() {
+            return Err(Error::Config(format!("{} is a decoder (model_type {}), not an encoder", self.name(), self.config.model_type)));
+        }
+        crate::bert::Bert::load(&WeightFiles::open(&self.path)?, &self.config, device, on_layer)
+    }
+
+    /// An encoder loads with [`Self::load_encoder`] alone: `what` reads decoder tensors.
+    fn refuse_encoder(&self, what: &str) -> Result<()> {
+        if self.config.is_encoder() {
+            return Err(Error::Config(format!("{} is an encoder (model_type bert): it runs on burn's encoder, not {what}", self.name())));
+        }
+        Ok(())
     }
 
     /// Layers `layers` alone, matrices stored as `matrices`: a split model's GPU part.
@@ -285,6 +323,7 @@ impl ModelBundle {
         layers: std::ops::Range<usize>,
         on_layer: impl FnMut(usize, usize),
     ) -> Result<crate::model::LayerStack<B>> {
+        self.refuse_encoder("a split's layer stack")?;
         if self.format.container == "gguf" {
             let file = GgufFile::open(&self.path)?;
             let weights = crate::gguf_model::GgufWeights { file: &file, config: &self.config };

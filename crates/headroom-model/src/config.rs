@@ -1,5 +1,6 @@
-//! The subset of a Hugging Face `config.json` that a Llama-family decoder needs.
-//! Field names follow Hugging Face so a config round-trips through `transformers`.
+//! The subset of a Hugging Face `config.json` that a Llama-family decoder, or a BERT encoder
+//! (an embedding model, see [`crate::bert`]), needs. Field names follow Hugging Face so a
+//! config round-trips through `transformers`.
 
 use serde::{Deserialize, Serialize};
 
@@ -47,6 +48,14 @@ pub struct LlamaConfig {
     pub hidden_act: String,
     #[serde(default)]
     pub torch_dtype: Option<String>,
+    /// A BERT encoder's LayerNorm epsilon.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer_norm_eps: Option<f64>,
+    /// A BERT encoder's position table rows, where its context (`max_position_embeddings`, as
+    /// requests see it) was set below them: sentence-transformers' `max_seq_length`, the length
+    /// the model was trained to embed (see [`crate::bert`]).
+    #[serde(skip)]
+    pub position_table_rows: Option<usize>,
 }
 
 /// `eos_token_id` is a number in most configs and a list in Llama 3's.
@@ -104,6 +113,12 @@ impl LlamaConfig {
         Ok(config)
     }
 
+    /// Whether this is an encoder (BERT): every token attends to every other, the prompt is
+    /// read in one pass and pooled into an embedding, and nothing is generated.
+    pub fn is_encoder(&self) -> bool {
+        self.model_type == "bert"
+    }
+
     pub fn kv_heads(&self) -> usize {
         self.num_key_value_heads.unwrap_or(self.num_attention_heads)
     }
@@ -124,6 +139,13 @@ impl LlamaConfig {
     /// Number of weights, counting a tied embedding once.
     pub fn parameter_count(&self) -> usize {
         let h = self.hidden_size;
+        if self.is_encoder() {
+            // q, k, v, o and the two MLP matrices with their biases, two LayerNorms per layer;
+            // token, position and token-type embeddings and their LayerNorm.
+            let (i, l) = (self.intermediate_size, self.num_hidden_layers);
+            let layer = 4 * (h * h + h) + (h * i + i) + (i * h + h) + 4 * h;
+            return l * layer + (self.vocab_size + self.position_rows() + 2) * h + 2 * h;
+        }
         let q = self.num_attention_heads * self.head_dim();
         let kv = self.kv_heads() * self.head_dim();
         let bias = if self.has_qkv_bias() { q + 2 * kv } else { 0 };
@@ -138,14 +160,26 @@ impl LlamaConfig {
     /// Parameters of the RMSNorm weights (two per layer and the final one), which every engine
     /// keeps in f32.
     pub fn norm_parameter_count(&self) -> usize {
+        if self.is_encoder() {
+            // Weight and bias of two LayerNorms per layer and the embeddings'.
+            return (4 * self.num_hidden_layers + 2) * self.hidden_size;
+        }
         (2 * self.num_hidden_layers + 1) * self.hidden_size
     }
 
+    /// Rows of a BERT encoder's position table (at least its context).
+    pub fn position_rows(&self) -> usize {
+        self.position_table_rows.unwrap_or(self.max_position_embeddings)
+    }
+
     pub fn validate(&self) -> Result<()> {
+        if self.is_encoder() {
+            return self.validate_encoder();
+        }
         let supported = ["llama", "qwen2", "mistral"];
         if !supported.contains(&self.model_type.as_str()) {
             return Err(Error::Config(format!(
-                "model_type `{}` is not supported; Headroom runs Llama-family models ({})",
+                "model_type `{}` is not supported; Headroom runs Llama-family models ({}) and BERT encoders (bert) for embeddings",
                 self.model_type,
                 supported.join(", ")
             )));
@@ -183,6 +217,16 @@ impl LlamaConfig {
                     )))
                 }
             }
+        }
+        Ok(())
+    }
+
+    fn validate_encoder(&self) -> Result<()> {
+        if self.hidden_act != "gelu" {
+            return Err(Error::Config(format!("hidden_act `{}` is not supported in a BERT encoder (only gelu)", self.hidden_act)));
+        }
+        if self.num_attention_heads == 0 || self.num_hidden_layers == 0 || self.hidden_size % self.num_attention_heads.max(1) != 0 {
+            return Err(Error::Config("num_hidden_layers and num_attention_heads must be positive, and hidden_size a multiple of num_attention_heads".into()));
         }
         Ok(())
     }
@@ -229,5 +273,29 @@ impl LlamaConfig {
             }
             _ => base,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// all-MiniLM-L6-v2's config.json (models/PROVENANCE.md).
+    const MINILM: &str = r#"{"architectures": ["BertModel"], "hidden_act": "gelu", "hidden_size": 384, "intermediate_size": 1536,
+        "layer_norm_eps": 1e-12, "max_position_embeddings": 512, "model_type": "bert", "num_attention_heads": 12,
+        "num_hidden_layers": 6, "pad_token_id": 0, "position_embedding_type": "absolute", "type_vocab_size": 2, "vocab_size": 30522}"#;
+
+    #[test]
+    fn a_bert_config_is_an_encoder_counted_as_its_weights_load() {
+        let config = LlamaConfig::from_json(MINILM).unwrap();
+        assert!(config.is_encoder());
+        // The file's 22,713,216 f32 values less the pooler (384 × 384 + 384), which embeddings
+        // do not use and the encoder does not load.
+        assert_eq!(config.parameter_count(), 22_713_216 - 147_840);
+        assert_eq!(config.norm_parameter_count(), 9_984, "the file's LayerNorm values");
+        let relu = MINILM.replace("\"gelu\"", "\"relu\"");
+        assert!(LlamaConfig::from_json(&relu).unwrap_err().to_string().contains("only gelu"));
+        let other = MINILM.replace("\"bert\"", "\"t5\"");
+        assert!(LlamaConfig::from_json(&other).unwrap_err().to_string().contains("BERT encoders"));
     }
 }

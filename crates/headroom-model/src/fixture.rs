@@ -61,6 +61,8 @@ pub fn tiny_config() -> LlamaConfig {
         eos_token_id: Some(TokenIds::One(258)),
         hidden_act: "silu".into(),
         torch_dtype: Some("float32".into()),
+        layer_norm_eps: None,
+        position_table_rows: None,
     }
 }
 

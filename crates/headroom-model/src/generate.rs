@@ -360,6 +360,9 @@ impl<'m, M: Decoder> Session<'m, M> {
     pub fn new(model: &'m M, bundle: &'m ModelBundle, request: &GenerateRequest) -> Result<Self> {
         request.sampling.validate()?;
         let context = bundle.config.max_position_embeddings;
+        if bundle.config.is_encoder() && !request.embed {
+            return Err(Error::InvalidRequest(format!("{} is an embedding model (an encoder): it embeds text and generates nothing", bundle.name())));
+        }
         if request.embed {
             check_embedding(request, context)?;
         } else {
@@ -426,7 +429,8 @@ impl<'m, M: Decoder> Session<'m, M> {
             prefill_ms: 0.0,
             prompt_fed: prompt_held,
             prompt_reused: prompt_held,
-            prefill_chunk: request.prefill_chunk.max(1),
+            // An encoder's tokens attend to later ones too: its prompt goes in whole.
+            prefill_chunk: if bundle.config.is_encoder() { request.prompt_tokens.len().max(1) } else { request.prefill_chunk.max(1) },
             replayed: 0,
             unfed: None,
             prefill_started: None,

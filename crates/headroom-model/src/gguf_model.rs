@@ -89,6 +89,8 @@ pub fn config(file: &GgufFile) -> Result<LlamaConfig> {
         eos_token_id: token_id("tokenizer.ggml.eos_token_id").map(TokenIds::One),
         hidden_act: "silu".into(),
         torch_dtype: None,
+        layer_norm_eps: None,
+        position_table_rows: None,
     };
     config.validate().map_err(|e| error(file, e.to_string()))?;
     Ok(config)

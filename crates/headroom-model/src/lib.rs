@@ -4,6 +4,7 @@
 //! It knows nothing about queues, HTTP, or which device is "better".
 
 pub mod batch;
+pub mod bert;
 pub mod bundle;
 pub mod config;
 pub mod cpu;
@@ -31,6 +32,7 @@ pub use generate::{
     Next, PromptSource, Session, StreamEvent, TeacherForced, teacher_forced, Work,
 };
 pub use batch::Batch;
+pub use bert::Bert;
 pub use cpu::{CpuModel, KvPrecision};
 pub use model::{KvCache, LayerStack, Llama, Place, RopeTables};
 pub use split::{SplitCache, SplitModel};

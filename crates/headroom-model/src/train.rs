@@ -209,6 +209,8 @@ pub fn demo_config(options: &TrainOptions, tokenizer: &Tokenizer) -> LlamaConfig
         eos_token_id: Some(TokenIds::Many(vec![eos, im_end])),
         hidden_act: "silu".into(),
         torch_dtype: Some("float32".into()),
+        layer_norm_eps: None,
+        position_table_rows: None,
     }
 }
 

@@ -196,7 +196,7 @@ fn param1<B: Backend>(values: Vec<f32>, dtype: DType, device: &B::Device) -> Par
 }
 
 /// A linear layer from a Hugging Face `[out, in]` weight (burn stores `[in, out]`).
-fn load_linear<B: Backend>(
+pub(crate) fn load_linear<B: Backend>(
     files: &impl TensorSource,
     prefix: &str,
     d_in: usize,

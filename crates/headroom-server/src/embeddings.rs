@@ -138,7 +138,12 @@ pub(crate) async fn embed(state: &Arc<AppState>, headers: &HeaderMap, raw: &Byte
                     format!("{field}[{i}] is {} tokens, but this model embeds at most {limit} tokens per input; shorten it or split it into several inputs", tokens.len()),
                 ));
             }
+            let last = tokens.last().copied();
             tokens.truncate(limit);
+            // An encoder's input ends in its separator ([SEP]), as it was trained.
+            if let (true, Some(last), Some(end)) = (state.bundle.config.is_encoder(), last, tokens.last_mut()) {
+                *end = last;
+            }
         }
         let mut request = GenerateRequest::embedding(tokens);
         // A CPU worker holding another model refuses it (its vectors live in another space).

@@ -105,9 +105,10 @@ pub struct ModelEntry {
     /// count (the rest run on the CPU, split).
     #[serde(default)]
     pub gpu_layers: Option<headroom_memory::GpuLayers>,
-    /// `chat` (the default) or `embedding`.
+    /// `chat` or `embedding`; left out, an encoder (BERT) is an embedding model and any other
+    /// model a chat model.
     #[serde(default)]
-    pub role: headroom_server::Role,
+    pub role: Option<headroom_server::Role>,
     /// This model's keep_alive (default: `[memory] keep_alive`).
     #[serde(default)]
     pub keep_alive: Option<headroom_memory::KeepAlive>,
@@ -122,7 +123,19 @@ pub struct ModelEntry {
 
 impl ModelEntry {
     fn named(source: &str) -> Self {
-        Self { source: source.to_string(), name: None, gpu_layers: None, role: Default::default(), keep_alive: None, pin: false, fallback: None }
+        Self { source: source.to_string(), name: None, gpu_layers: None, role: None, keep_alive: None, pin: false, fallback: None }
+    }
+
+    /// What the model serves: its `role`, else what the model is. An encoder cannot chat.
+    fn role(&self, bundle: &ModelBundle) -> Result<headroom_server::Role> {
+        use headroom_server::Role;
+        let encoder = bundle.config.is_encoder();
+        match self.role {
+            Some(Role::Chat) if encoder => bail!("{} is an embedding model (a BERT encoder): it cannot chat; set role = \"embedding\" in its [[models]] entry, or leave role out", self.source),
+            Some(role) => Ok(role),
+            None if encoder => Ok(Role::Embedding),
+            None => Ok(Role::Chat),
+        }
     }
 
     /// The id requests name the model by: its `name`, else the bundle's. A name is compared,
@@ -487,6 +500,7 @@ pub async fn run(
     let model_dir = resolve_model(&primary.source);
     let bundle = ModelBundle::open(&model_dir).with_context(|| format!("cannot open the model folder {}", model_dir.display()))?;
     let model_id = primary.id(&bundle)?;
+    let primary_role = primary.role(&bundle)?;
     let mut gpu = gpu_worker(args.gpu, args.sim_vram_mib, settings.gpu_device)?;
     match gpu.as_mut() {
         // The sim GPU counts each request's KV blocks as they are written, so it can take the
@@ -555,7 +569,7 @@ pub async fn run(
         }
         let limits = Limits { context_tokens: bundle.config.max_position_embeddings, default_max_tokens: server.default_max_tokens };
         let bundle = Arc::new(bundle);
-        let mut served = vec![headroom_server::ServedModel { dispatcher: dispatcher.clone(), bundle: bundle.clone(), model_id: model_id.clone(), limits: limits.clone(), role: primary.role }];
+        let mut served = vec![headroom_server::ServedModel { dispatcher: dispatcher.clone(), bundle: bundle.clone(), model_id: model_id.clone(), limits: limits.clone(), role: primary_role }];
         // The other models: their own workers on the same GPU (loaded at their first request
         // unless pinned) and their own journals; one GPU budget for all.
         let share = headroom_router::GpuShare::new();
@@ -566,6 +580,7 @@ pub async fn run(
             let dir = resolve_model(&entry.source);
             let other = ModelBundle::open(&dir).with_context(|| format!("cannot open the model {} ({}) of [[models]]", entry.source, dir.display()))?;
             let id = entry.id(&other)?;
+            let role = entry.role(&other)?;
             if served.iter().any(|m| m.model_id == id) {
                 bail!("the model name {id} is served twice (--model and [[models]], or two [[models]]); list each model once, or give one a `name`");
             }
@@ -590,7 +605,7 @@ pub async fn run(
             config.keep_alive = entry.keep_alive.unwrap_or(memory.keep_alive);
             config.gpu_at_start = entry.pin;
             config.cpu_fallback_model_dir = own_settings.fallback_model.clone();
-            eprintln!("headroom: starting workers for {} ({}, {}{})", id, other.short_hash(), entry.role.as_str(), if entry.pin { ", pinned" } else { "" });
+            eprintln!("headroom: starting workers for {} ({}, {}{})", id, other.short_hash(), role.as_str(), if entry.pin { ", pinned" } else { "" });
             let other_supervisor = Supervisor::start(config).await.with_context(|| format!("cannot start the workers of {id}"))?;
             let (planner, _) = headroom_memory::planner_for(&other, backend, memory.clone());
             let journal = Journal::open(&data_dir.join(format!("journal-{id}.sqlite")))?;
@@ -607,7 +622,7 @@ pub async fn run(
                 limits: Limits { context_tokens: other.config.max_position_embeddings, default_max_tokens: server.default_max_tokens },
                 bundle: Arc::new(other),
                 model_id: id,
-                role: entry.role,
+                role,
             });
         }
         let state = Arc::new(AppState {
@@ -615,7 +630,7 @@ pub async fn run(
             limits,
             bundle,
             model_id: model_id.clone(),
-            role: primary.role,
+            role: primary_role,
             models: Arc::new(served.clone()),
             api_key,
             sim_faults: args.gpu == GpuChoice::Sim,

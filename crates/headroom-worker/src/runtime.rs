@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use headroom_memory::{Ledger, MemoryConfig, Planner, RequestShape, Reservation};
-use headroom_model::{Batch, CancelToken, CpuBackend, CpuModel, Decoder, GenerateRequest, ModelBundle, Session, SplitModel};
+use headroom_model::{Batch, Bert, CancelToken, CpuBackend, CpuModel, Decoder, GenerateRequest, ModelBundle, Session, SplitModel};
 #[cfg(feature = "cuda")]
 use headroom_model::Llama;
 
@@ -47,8 +47,12 @@ enum Engine {
     Cpu(CpuModel),
     /// A split on the sim GPU: its layers in burn's ndarray backend, as CUDA runs them.
     SimSplit(SplitModel<CpuBackend>),
+    /// An embedding model's encoder on the CPU or the sim GPU (burn's ndarray backend).
+    Encoder(Bert<CpuBackend>),
     #[cfg(feature = "cuda")]
     Cuda(Llama<burn_cuda::Cuda<f32>>, burn_cuda::CudaDevice),
+    #[cfg(feature = "cuda")]
+    CudaEncoder(Bert<burn_cuda::Cuda<f32>>, burn_cuda::CudaDevice),
     #[cfg(feature = "cuda")]
     CudaSplit(SplitModel<burn_cuda::Cuda<f32>>, burn_cuda::CudaDevice),
 }
@@ -256,12 +260,16 @@ impl State {
             Some(0) => Err("gpu_layers = 0 leaves nothing on the GPU: serve the model from the CPU worker (--gpu none) or give the GPU at least one layer".into()),
             Some(n) if n > layers => Err(format!("gpu_layers = {n}, but {} has {layers} layers; use at most {layers}, or \"auto\"", bundle.name())),
             Some(n) if n == layers => Ok(None),
+            Some(n) if bundle.config.is_encoder() => Err(format!("gpu_layers = {n} would split {}, an encoder, which runs whole on one device; leave gpu_layers out or set it to {layers}", bundle.name())),
             Some(gpu_layers) => Ok(Some(SplitLayers { gpu_layers, layers })),
         }
     }
 
     fn load_engine(&self, bundle: &ModelBundle, split: Option<SplitLayers>) -> Result<Engine, (FailureKind, String)> {
         let loaded = catch_unwind(AssertUnwindSafe(|| -> Result<Engine, headroom_model::Error> {
+            if bundle.config.is_encoder() {
+                return self.load_encoder(bundle);
+            }
             match (self.options.device, split) {
                 (Device::Cpu, _) => {
                     let mut model = bundle.load_cpu(|_, _| {})?;
@@ -313,6 +321,29 @@ impl State {
                 self.failed(None, kind, message);
                 self.exit_after_device_fault();
             }
+        }
+    }
+
+    /// An embedding model's encoder, whole on the worker's device (it never splits).
+    fn load_encoder(&self, bundle: &ModelBundle) -> Result<Engine, headroom_model::Error> {
+        match self.options.device {
+            Device::Cpu | Device::Sim => Ok(Engine::Encoder(bundle.load_encoder(&Default::default(), |_, _| {})?)),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(index) => {
+                crate::kernel_cache::configure();
+                let device = burn_cuda::CudaDevice::new(index as usize);
+                let started = Instant::now();
+                let model = bundle.load_encoder(&device, |_, _| {})?;
+                // Every padded prompt length, compiled before the first request.
+                let lengths = model.warm_up_lengths(self.context_limit(bundle));
+                for &length in &lengths {
+                    headroom_model::Session::start(&model, bundle, &GenerateRequest::embedding(vec![0; length]), &CancelToken::new())?;
+                }
+                tracing::info!(ms = started.elapsed().as_millis() as u64, lengths = lengths.len(), "CUDA encoder kernels warmed up");
+                Ok(Engine::CudaEncoder(model, device))
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Err(headroom_model::Error::InvalidRequest("this build has no CUDA support; rebuild with the `cuda` feature".into())),
         }
     }
 
@@ -428,7 +459,7 @@ impl State {
                     reading.used_bytes = Some(gpu.used_bytes);
                 }
                 #[cfg(feature = "cuda")]
-                if let Some(Engine::Cuda(_, device) | Engine::CudaSplit(_, device)) = loaded.as_ref().map(|l| &l.engine) {
+                if let Some(Engine::Cuda(_, device) | Engine::CudaSplit(_, device) | Engine::CudaEncoder(_, device)) = loaded.as_ref().map(|l| &l.engine) {
                     use cubecl::prelude::Runtime;
                     reading.allocator_bytes = cubecl::cuda::CudaRuntime::client(device)
                         .memory_usage()
@@ -484,10 +515,13 @@ impl State {
         match &loaded.engine {
             Engine::Cpu(model) => self.drive(model, loaded, &jobs),
             Engine::SimSplit(model) => self.drive(model, loaded, &jobs),
+            Engine::Encoder(model) => self.drive(model, loaded, &jobs),
             #[cfg(feature = "cuda")]
             Engine::Cuda(model, _) => self.drive(model, loaded, &jobs),
             #[cfg(feature = "cuda")]
             Engine::CudaSplit(model, _) => self.drive(model, loaded, &jobs),
+            #[cfg(feature = "cuda")]
+            Engine::CudaEncoder(model, _) => self.drive(model, loaded, &jobs),
         }
     }
 
@@ -773,6 +807,7 @@ impl State {
                 headroom_model::generate(model, &loaded.bundle, &request, &cancel, |_| {}).map(|_| ())
             }
             Engine::SimSplit(model) => headroom_model::generate(model, &loaded.bundle, &request, &cancel, |_| {}).map(|_| ()),
+            Engine::Encoder(model) => headroom_model::generate(model, &loaded.bundle, &request, &cancel, |_| {}).map(|_| ()),
             #[cfg(feature = "cuda")]
             Engine::Cuda(model, device) => {
                 on_cuda(device);
@@ -780,6 +815,11 @@ impl State {
             }
             #[cfg(feature = "cuda")]
             Engine::CudaSplit(model, device) => {
+                on_cuda(device);
+                headroom_model::generate(model, &loaded.bundle, &request, &cancel, |_| {}).map(|_| ())
+            }
+            #[cfg(feature = "cuda")]
+            Engine::CudaEncoder(model, device) => {
                 on_cuda(device);
                 headroom_model::generate(model, &loaded.bundle, &request, &cancel, |_| {}).map(|_| ())
             }
@@ -900,9 +940,13 @@ fn device_weight_bytes(bundle: &ModelBundle, device: Device, split: Option<Split
     }
 }
 
+/// A short generation (an embedding, for an encoder): the breaker's probe, and CUDA's warm-up.
 fn warm_up_request(bundle: &ModelBundle) -> headroom_model::Result<GenerateRequest> {
     let mut prompt = bundle.encode("And it came to pass", true)?;
     prompt.resize(prompt.len().max(8), 0);
+    if bundle.config.is_encoder() {
+        return Ok(GenerateRequest::embedding(prompt));
+    }
     Ok(GenerateRequest::new(prompt, 2, Default::default()))
 }
 

