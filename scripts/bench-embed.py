@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Embeddings: a real `headroom serve` (CPU worker, the default model) against llama.cpp
 (llama-cpp-python, mean pooling, normalized) on the same GGUF file and threads, side by side in
-one run.
+one run. FILE may be a BERT folder (models/all-MiniLM-L6-v2): Headroom serves the folder and
+llama.cpp embeds the same weights written as an f32 GGUF (scripts/bert_to_gguf.py).
 
     .venv/bin/python scripts/bench-embed.py [--threads N] [--texts 64] [--runs 3] [FILE]
 
@@ -26,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import DEFAULT_MODEL, ROOT, Serve  # noqa: E402
+from bert_to_gguf import convert  # noqa: E402
 
 WORDS = ("the light shall be upon the earth and the waters of the deep were divided while "
          "markets rose and fell as the engineers measured memory bandwidth and bread was baked").split()
@@ -64,6 +66,10 @@ def main():
     import llama_cpp
 
     batch = texts(args.texts)
+    llama_file = args.file
+    if args.file.is_dir():
+        llama_file = ROOT / "target" / f"bench-embed-{args.file.name}.gguf"
+        convert(args.file, llama_file)
     serve = Serve(args.file, args.threads)
     try:
         ours, tokens = embed(serve, batch)
@@ -71,7 +77,7 @@ def main():
         list_ours = timed(lambda: embed(serve, batch), args.runs)
     finally:
         serve.stop()
-    llm = llama_cpp.Llama(model_path=str(args.file), embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN,
+    llm = llama_cpp.Llama(model_path=str(llama_file), embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN,
                           n_ctx=512, n_batch=512, n_threads=args.threads, verbose=False)
     theirs = [np.array(v) for v in llm.embed(batch, normalize=True)]
     one_theirs = timed(lambda: llm.embed(batch[:1], normalize=True), args.runs)

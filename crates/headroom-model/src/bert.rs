@@ -4,8 +4,9 @@
 //! summed for mean pooling ([`crate::Session::embedding`] divides and normalizes, as the
 //! model's Pooling and Normalize modules do). Nothing is generated: there is no KV cache.
 //!
-//! One implementation on burn runs on the CPU worker and the sim GPU (ndarray) and on CUDA.
-//! Weights stay f32 on every device: an encoder reads each weight once per prompt, not once per
+//! This is burn's implementation, which a CUDA worker runs; the CPU worker and the sim GPU run
+//! the same model on the CPU engine's kernels ([`crate::cpu::CpuBert`], checked against this one
+//! in `tests/encoder.rs`). Weights stay f32 on every device: an encoder reads each weight once per prompt, not once per
 //! token, so halving them buys little, and they are small (MiniLM-L6: 91 MB).
 
 use std::path::Path;

@@ -307,7 +307,16 @@ impl ModelBundle {
         crate::bert::Bert::load(&WeightFiles::open(&self.path)?, &self.config, device, on_layer)
     }
 
-    /// An encoder loads with [`Self::load_encoder`] alone: `what` reads decoder tensors.
+    /// Loads an encoder (see [`crate::bert`]) for the CPU engine: the CPU worker's and the sim
+    /// GPU's.
+    pub fn load_cpu_encoder(&self) -> Result<crate::cpu::CpuBert> {
+        if !self.config.is_encoder() {
+            return Err(Error::Config(format!("{} is a decoder (model_type {}), not an encoder", self.name(), self.config.model_type)));
+        }
+        crate::cpu::CpuBert::load(&WeightFiles::open(&self.path)?, &self.config)
+    }
+
+    /// An encoder loads with [`Self::load_encoder`] or [`Self::load_cpu_encoder`] alone: `what` reads decoder tensors.
     fn refuse_encoder(&self, what: &str) -> Result<()> {
         if self.config.is_encoder() {
             return Err(Error::Config(format!("{} is an encoder (model_type bert): it runs on burn's encoder, not {what}", self.name())));

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use headroom_memory::{Ledger, MemoryConfig, Planner, RequestShape, Reservation};
-use headroom_model::{Batch, Bert, CancelToken, CpuBackend, CpuModel, Decoder, GenerateRequest, ModelBundle, Session, SplitModel};
+use headroom_model::{Batch, CancelToken, CpuBackend, CpuModel, Decoder, GenerateRequest, ModelBundle, Session, SplitModel};
 #[cfg(feature = "cuda")]
 use headroom_model::Llama;
 
@@ -47,12 +47,12 @@ enum Engine {
     Cpu(CpuModel),
     /// A split on the sim GPU: its layers in burn's ndarray backend, as CUDA runs them.
     SimSplit(SplitModel<CpuBackend>),
-    /// An embedding model's encoder on the CPU or the sim GPU (burn's ndarray backend).
-    Encoder(Bert<CpuBackend>),
+    /// An embedding model's encoder on the CPU engine (the CPU worker, the sim GPU).
+    Encoder(headroom_model::cpu::CpuBert),
     #[cfg(feature = "cuda")]
     Cuda(Llama<burn_cuda::Cuda<f32>>, burn_cuda::CudaDevice),
     #[cfg(feature = "cuda")]
-    CudaEncoder(Bert<burn_cuda::Cuda<f32>>, burn_cuda::CudaDevice),
+    CudaEncoder(headroom_model::Bert<burn_cuda::Cuda<f32>>, burn_cuda::CudaDevice),
     #[cfg(feature = "cuda")]
     CudaSplit(SplitModel<burn_cuda::Cuda<f32>>, burn_cuda::CudaDevice),
 }
@@ -327,7 +327,7 @@ impl State {
     /// An embedding model's encoder, whole on the worker's device (it never splits).
     fn load_encoder(&self, bundle: &ModelBundle) -> Result<Engine, headroom_model::Error> {
         match self.options.device {
-            Device::Cpu | Device::Sim => Ok(Engine::Encoder(bundle.load_encoder(&Default::default(), |_, _| {})?)),
+            Device::Cpu | Device::Sim => Ok(Engine::Encoder(bundle.load_cpu_encoder()?)),
             #[cfg(feature = "cuda")]
             Device::Cuda(index) => {
                 crate::kernel_cache::configure();
@@ -408,6 +408,7 @@ impl State {
             .as_ref()
             .map(|l| match (&l.engine, self.options.device) {
                 (Engine::Cpu(model), Device::Cpu) => model.weight_bytes() as u64,
+                (Engine::Encoder(model), Device::Cpu) => model.weight_bytes() as u64,
                 (_, device) => device_weight_bytes(&l.bundle, device, l.split),
             })
             .unwrap_or(0);

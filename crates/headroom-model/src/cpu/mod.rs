@@ -24,6 +24,7 @@ mod attention;
 #[doc(hidden)]
 pub mod conformance;
 pub mod dot;
+pub mod encoder;
 pub mod engine;
 pub mod interleave;
 pub mod matrix;
@@ -39,6 +40,7 @@ mod neon;
 
 pub use attention::KEY_BLOCK;
 pub use attention::KvBlock;
+pub use encoder::CpuBert;
 pub use engine::{CpuCache, CpuModel, KvPrecision, RopePairs};
 pub use prefix::{PrefixCache, PrefixStats};
 pub use matrix::{Activations, Bytes, PackedMatrix};
