@@ -319,7 +319,7 @@ impl ModelBundle {
     /// An encoder loads with [`Self::load_encoder`] or [`Self::load_cpu_encoder`] alone: `what` reads decoder tensors.
     fn refuse_encoder(&self, what: &str) -> Result<()> {
         if self.config.is_encoder() {
-            return Err(Error::Config(format!("{} is an encoder (model_type bert): it runs on burn's encoder, not {what}", self.name())));
+            return Err(Error::Config(format!("{} is an encoder (model_type bert): it loads as one (load_encoder, load_cpu_encoder), not through {what}", self.name())));
         }
         Ok(())
     }

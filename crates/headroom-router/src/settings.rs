@@ -54,6 +54,16 @@ pub const RESTART_SETTINGS: [&str; 2] = ["gpu_device", "gpu_layers"];
 
 /// Settings each served model has its own of (the others are the service's, the same for
 /// every model).
+/// A fallback answers its model's failed-over chats: an encoder (an embedding model) generates
+/// nothing, and a fallback never embeds (another model's vectors live in another space).
+pub fn refuse_encoder_fallback(dir: &std::path::Path) -> Result<(), String> {
+    let config = std::fs::read_to_string(dir.join("config.json")).unwrap_or_default();
+    if serde_json::from_str::<Value>(&config).is_ok_and(|c| c["model_type"] == "bert") {
+        return Err(format!("fallback_model {}: an embedding model (an encoder) cannot answer another model's requests; give a chat model, or leave the fallback out", dir.display()));
+    }
+    Ok(())
+}
+
 pub const MODEL_SETTINGS: [&str; 2] = ["fallback_model", "gpu_layers"];
 
 impl Settings {
@@ -80,6 +90,7 @@ impl Settings {
             if !dir.join("config.json").is_file() {
                 return Err(format!("fallback_model {}: no config.json there; give a Hugging Face model folder", dir.display()));
             }
+            refuse_encoder_fallback(dir)?;
         }
         Ok(())
     }
@@ -176,6 +187,10 @@ mod tests {
         assert!(s.patched(&json!({"vram_reserve_mib": -5})).unwrap_err().contains("invalid settings"));
         assert!(s.patched(&json!([1])).unwrap_err().contains("JSON object"));
         assert!(s.patched(&json!({"fallback_model": "/nonexistent/model"})).unwrap_err().contains("config.json"));
+        let encoder = tempfile::tempdir().unwrap();
+        std::fs::write(encoder.path().join("config.json"), r#"{"model_type": "bert"}"#).unwrap();
+        let refused = s.patched(&json!({"fallback_model": encoder.path()})).unwrap_err();
+        assert!(refused.contains("an embedding model (an encoder) cannot answer"), "{refused}");
     }
 
     #[test]

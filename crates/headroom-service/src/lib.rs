@@ -497,6 +497,9 @@ pub async fn run(
     if settings.fallback_model.is_none() {
         settings.fallback_model = primary.fallback.as_deref().map(resolve_model);
     }
+    if let Some(dir) = &settings.fallback_model {
+        headroom_router::settings::refuse_encoder_fallback(dir).map_err(anyhow::Error::msg)?;
+    }
     let model_dir = resolve_model(&primary.source);
     let bundle = ModelBundle::open(&model_dir).with_context(|| format!("cannot open the model folder {}", model_dir.display()))?;
     let model_id = primary.id(&bundle)?;
@@ -593,6 +596,9 @@ pub async fn run(
                 gpu_layers: saved.as_ref().and_then(|s| s.gpu_layers),
                 ..settings.clone()
             };
+            if let Some(dir) = &own_settings.fallback_model {
+                headroom_router::settings::refuse_encoder_fallback(dir).map_err(|e| anyhow::anyhow!("{id}: {e}"))?;
+            }
             let mut config = SupervisorConfig::new(std::env::current_exe()?, dir.clone(), other_gpu.clone());
             // Its layers planned from the VRAM free at each launch, as the first model's.
             config.replan = other_gpu.as_ref().map(|gpu| {
