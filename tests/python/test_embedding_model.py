@@ -143,3 +143,41 @@ def test_negative_control_an_encoder_run_as_a_decoder_is_caught(reference):
         assert not (cosine > 0.99999 and largest < 1e-4), f"the causal encoder passed the comparison: {cosine}, {largest}"
     finally:
         server.stop()
+
+
+# The default chat model whole (513 MiB of sim weights) and the encoder (86 MiB) do not fit in
+# 560 MiB together: each request for the other evicts the idle one.
+BESIDE_CHAT = """
+[memory]
+vram_reserve_mib = 0
+split_min_context_tokens = 64
+
+[[models]]
+source = "default"
+gpu_layers = 30
+
+[[models]]
+source = "all-MiniLM-L6-v2"
+"""
+
+
+def test_the_embedding_model_takes_turns_with_the_default_chat_model_on_one_gpu(reference):
+    _, expected = reference
+    server = Server("--model", "default", "--gpu", "sim", "--sim-vram-mib", "560", config=BESIDE_CHAT).start()
+    chat_model = "SmolLM2-135M-Instruct.Q4_1"
+
+    def where():
+        return {m["id"]: m["state"] for m in server.status()["models"]}
+
+    try:
+        assert where() == {chat_model: "gpu", "all-MiniLM-L6-v2": "cpu"}, "the first model loads at start"
+        r, served = embeddings(server, TEXTS)
+        assert r.headers["x-headroom-device"] == "sim" and r.json()["data"][0]["headroom"]["degraded"] is False
+        assert where() == {chat_model: "cpu", "all-MiniLM-L6-v2": "gpu"}, "the idle chat model was evicted"
+        cosine, largest = agreement(served, expected)
+        assert cosine > 0.99999 and largest < 1e-4, (cosine, largest)
+        r = httpx.post(server.url + "/v1/chat/completions", json={"model": chat_model, "messages": [{"role": "user", "content": "Name a fruit."}], "max_tokens": 8}, timeout=300)
+        assert r.status_code == 200 and r.headers["x-headroom-device"] == "sim", r.text
+        assert where() == {chat_model: "gpu", "all-MiniLM-L6-v2": "cpu"}, "the idle embedding model was evicted"
+    finally:
+        server.stop()
