@@ -79,8 +79,7 @@ impl<B: Backend> Bert<B> {
     /// Loads the encoder from a folder's tensors (Hugging Face names, with or without the
     /// `bert.` prefix of checkpoints saved with a head), checking every shape against `config`.
     pub fn load(files: &WeightFiles, config: &LlamaConfig, device: &B::Device, mut on_layer: impl FnMut(usize, usize)) -> Result<Self> {
-        let has_prefix = files.contains("bert.embeddings.word_embeddings.weight");
-        let named = |name: &str| if has_prefix { format!("bert.{name}") } else { name.to_string() };
+        let named = tensor_names(files);
         let (h, i, layers) = (config.hidden_size, config.intermediate_size, config.num_hidden_layers);
         let table = |name: &str, rows: usize| -> Result<Tensor<B, 2>> {
             let values = files.read_shaped(&named(name), &[rows, h])?;
@@ -88,11 +87,7 @@ impl<B: Backend> Bert<B> {
         };
         let words = table("embeddings.word_embeddings.weight", config.vocab_size)?;
         let positions = table("embeddings.position_embeddings.weight", config.position_rows())?;
-        let (types, shape) = files.read_f32(&named("embeddings.token_type_embeddings.weight"))?;
-        if shape.len() != 2 || shape[1] != h || shape[0] == 0 {
-            return Err(Error::Weights(format!("token_type_embeddings has shape {shape:?}; expected [types, {h}]")));
-        }
-        let token_type = Tensor::from_data(TensorData::new(types[..h].to_vec(), [h]), device);
+        let token_type = Tensor::from_data(TensorData::new(token_type_row(files, config)?, [h]), device);
         let embedding_norm = LayerNorm::load(files, &named("embeddings.LayerNorm"), config, device)?;
         let mut loaded = Vec::with_capacity(layers);
         for l in 0..layers {
@@ -116,7 +111,7 @@ impl<B: Backend> Bert<B> {
     /// The prompt lengths a padded prompt has, up to `context` tokens: the shapes to compile.
     pub fn warm_up_lengths(&self, context: usize) -> Vec<usize> {
         let longest = self.padded(context);
-        (LENGTH_BUCKET..=longest).step_by(LENGTH_BUCKET).chain((longest % LENGTH_BUCKET != 0).then_some(longest)).collect()
+        (LENGTH_BUCKET..=longest).step_by(LENGTH_BUCKET).chain((!longest.is_multiple_of(LENGTH_BUCKET)).then_some(longest)).collect()
     }
 
     fn padded(&self, n: usize) -> usize {
@@ -168,6 +163,23 @@ impl<B: Backend> Bert<B> {
     pub fn pooled_sum(&self, tokens: &[u32]) -> Vec<f32> {
         self.encode(tokens).narrow(1, 0, tokens.len()).sum_dim(1).into_data().convert::<f32>().into_vec::<f32>().expect("hidden states are f32 after convert")
     }
+}
+
+/// A tensor's name in `files`: with the `bert.` prefix of checkpoints saved with a head, or
+/// without it (sentence-transformers' folders).
+pub(crate) fn tensor_names(files: &WeightFiles) -> impl Fn(&str) -> String {
+    let prefix = if files.contains("bert.embeddings.word_embeddings.weight") { "bert." } else { "" };
+    move |name| format!("{prefix}{name}")
+}
+
+/// Token type 0's embedding: every token of a single input has type 0.
+pub(crate) fn token_type_row(files: &WeightFiles, config: &LlamaConfig) -> Result<Vec<f32>> {
+    let h = config.hidden_size;
+    let (types, shape) = files.read_f32(&tensor_names(files)("embeddings.token_type_embeddings.weight"))?;
+    if shape.len() != 2 || shape[1] != h || shape[0] == 0 {
+        return Err(Error::Weights(format!("token_type_embeddings has shape {shape:?}; expected [types, {h}]")));
+    }
+    Ok(types[..h].to_vec())
 }
 
 /// What a sentence-transformers folder says beside the weights: the length the model was

@@ -225,7 +225,7 @@ impl LlamaConfig {
         if self.hidden_act != "gelu" {
             return Err(Error::Config(format!("hidden_act `{}` is not supported in a BERT encoder (only gelu)", self.hidden_act)));
         }
-        if self.num_attention_heads == 0 || self.num_hidden_layers == 0 || self.hidden_size % self.num_attention_heads.max(1) != 0 {
+        if self.num_attention_heads == 0 || self.num_hidden_layers == 0 || !self.hidden_size.is_multiple_of(self.num_attention_heads.max(1)) {
             return Err(Error::Config("num_hidden_layers and num_attention_heads must be positive, and hidden_size a multiple of num_attention_heads".into()));
         }
         Ok(())

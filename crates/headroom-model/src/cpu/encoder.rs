@@ -10,7 +10,7 @@ use crate::config::LlamaConfig;
 use crate::cpu::matrix::{multiply_all, Activations, PackedMatrix};
 use crate::cpu::team::Team;
 use crate::weights::{TensorSource, WeightFiles};
-use crate::{Error, Result};
+use crate::Result;
 
 struct Norm {
     weight: Vec<f32>,
@@ -90,15 +90,10 @@ impl CpuBert {
     /// Loads the encoder from a folder's tensors (with or without the `bert.` prefix),
     /// checking every shape against `config`.
     pub fn load(files: &WeightFiles, config: &LlamaConfig) -> Result<Self> {
-        let has_prefix = files.contains("bert.embeddings.word_embeddings.weight");
-        let named = |name: &str| if has_prefix { format!("bert.{name}") } else { name.to_string() };
+        let named = crate::bert::tensor_names(files);
         let (h, i) = (config.hidden_size, config.intermediate_size);
         let words = files.read_shaped(&named("embeddings.word_embeddings.weight"), &[config.vocab_size, h])?;
         let positions = files.read_shaped(&named("embeddings.position_embeddings.weight"), &[config.position_rows(), h])?;
-        let (types, shape) = files.read_f32(&named("embeddings.token_type_embeddings.weight"))?;
-        if shape.len() != 2 || shape[1] != h || shape[0] == 0 {
-            return Err(Error::Weights(format!("token_type_embeddings has shape {shape:?}; expected [types, {h}]")));
-        }
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         for l in 0..config.num_hidden_layers {
             let p = named(&format!("encoder.layer.{l}"));
@@ -115,7 +110,7 @@ impl CpuBert {
         }
         let embedding_norm = Norm::load(files, &named("embeddings.LayerNorm"), config)?;
         let weight_bytes = 4 * config.parameter_count();
-        Ok(Self { words, positions, token_type: types[..h].to_vec(), embedding_norm, layers, hidden: h, heads: config.num_attention_heads, vocab: config.vocab_size, weight_bytes })
+        Ok(Self { words, positions, token_type: crate::bert::token_type_row(files, config)?, embedding_norm, layers, hidden: h, heads: config.num_attention_heads, vocab: config.vocab_size, weight_bytes })
     }
 
     /// Bytes of weights held (all f32).
