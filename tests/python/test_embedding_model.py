@@ -110,6 +110,7 @@ def test_embeddings_match_an_independent_numpy_bert(reference):
     try:
         r, served = embeddings(server, TEXTS)
         assert r.headers["x-headroom-device"] == "sim"
+        assert "to encode 46 tokens in one pass, no KV cache" in r.json()["data"][4]["headroom"]["admission"], r.json()["data"][4]["headroom"]
         assert [len(v) for v in served] == [384] * len(TEXTS)
         assert r.json()["usage"]["prompt_tokens"] == sum(len(i) for i in ids), "the tokens [CLS] text [SEP], unpadded"
         cosine, largest = agreement(served, expected)

@@ -261,15 +261,26 @@ impl Planner {
         let cpu_needs = self.host_footprint(request).request_bytes();
         let cpu_allowed = allow.cpu && self.config.allow_cpu_redirect;
         let cpu_available = host.available_bytes();
-        DecisionContext {
-            what: format!(
+        let what = if self.shape.encoder {
+            format!(
+                "needs {} ({} workspace to encode {} tokens in one pass, no KV cache, {} margin)",
+                human_bytes(needs),
+                human_bytes(fp.workspace_bytes),
+                thousands(fp.tokens),
+                human_bytes(fp.margin_bytes)
+            )
+        } else {
+            format!(
                 "needs {} ({} of KV cache: {}, {} workspace, {} margin)",
                 human_bytes(needs),
                 human_bytes(fp.kv_bytes),
                 self.kv_blocks_phrase(&fp),
                 human_bytes(fp.workspace_bytes),
                 human_bytes(fp.margin_bytes)
-            ),
+            )
+        };
+        DecisionContext {
+            what,
             needs,
             cpu_fits: cpu_allowed && cpu_needs <= cpu_available,
             cpu_allowed,

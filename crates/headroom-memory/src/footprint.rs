@@ -38,6 +38,10 @@ pub struct ModelShape {
     /// Positions a KV cache is allocated in multiples of (the engines' blocks). 0: 1.
     #[serde(default)]
     pub kv_block_tokens: u64,
+    /// An encoder (BERT): no KV cache, and a prompt read in one pass (its whole length is the
+    /// prefill chunk), its keys and values living only in that pass's workspace.
+    #[serde(default)]
+    pub encoder: bool,
 }
 
 impl ModelShape {
@@ -58,6 +62,7 @@ impl ModelShape {
             kv_value_bytes: 0,
             // Every engine's cache is a table of blocks of this many positions.
             kv_block_tokens: headroom_model::model::KV_BLOCK as u64,
+            encoder: config.is_encoder(),
         }
     }
 
@@ -102,6 +107,9 @@ impl ModelShape {
 
     /// 2 (K and V) × layers × kv_heads × head_dim × bytes per value.
     pub fn kv_bytes_per_token(&self) -> u64 {
+        if self.encoder {
+            return 0;
+        }
         let value = if self.kv_value_bytes > 0 { self.kv_value_bytes } else { self.dtype_bytes };
         2 * self.layers * self.kv_heads * self.head_dim * value
     }
@@ -294,13 +302,13 @@ impl Footprint {
         }
         .next_multiple_of(block);
         let kv_bytes = shape.kv_bytes_per_token() * kv_tokens;
-        let chunk = request.prefill_chunk.clamp(1, request.prompt_tokens.max(1));
+        let chunk = if shape.encoder { request.prompt_tokens.max(1) } else { request.prefill_chunk.clamp(1, request.prompt_tokens.max(1)) };
         // Attention spans the cache's whole capacity (prompt + max_tokens, unwritten slots
         // masked), so every prefill chunk's score matrix is chunk × capacity.
         let workspace_prefill = calibration.workspace_bytes(shape, chunk, tokens);
         let workspace_decode = calibration.workspace_bytes(shape, 1, tokens);
-        // Rotary tables for every position of the request: cos and sin.
-        let rope = 2 * tokens * shape.head_dim * shape.dtype_bytes;
+        // Rotary tables for every position of the request: cos and sin (an encoder has none).
+        let rope = if shape.encoder { 0 } else { 2 * tokens * shape.head_dim * shape.dtype_bytes };
         let workspace_bytes = workspace_prefill.max(workspace_decode) + rope;
         let margin_bytes = ((kv_bytes + workspace_bytes) as f64 * margin_percent / 100.0) as u64;
         Self {
@@ -352,7 +360,20 @@ mod tests {
             packed_weights_bytes: 0,
             kv_value_bytes: 0,
             kv_block_tokens: 0,
+            encoder: false,
         }
+    }
+
+    #[test]
+    fn an_encoder_holds_no_kv_cache_and_reads_its_prompt_in_one_pass() {
+        let encoder = ModelShape { encoder: true, ..shape() };
+        assert_eq!(encoder.kv_bytes_per_token(), 0);
+        let request = RequestShape { prompt_tokens: 200, max_tokens: 0, prefill_chunk: 16 };
+        let fp = Footprint::estimate(&encoder, request, &Calibration::default(), 0.0);
+        assert_eq!(fp.kv_bytes, 0);
+        // The whole prompt is the chunk, whatever the request's prefill chunk says.
+        assert_eq!(fp.workspace_bytes, Calibration::default().workspace_bytes(&encoder, 200, 200));
+        assert!(fp.workspace_bytes > Footprint::estimate(&shape(), request, &Calibration::default(), 0.0).workspace_bytes);
     }
 
     #[test]

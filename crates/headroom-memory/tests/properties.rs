@@ -22,6 +22,7 @@ fn shape() -> ModelShape {
         packed_weights_bytes: 0,
         kv_value_bytes: 0,
         kv_block_tokens: 0,
+        encoder: false,
     }
 }
 
