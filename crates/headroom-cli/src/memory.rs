@@ -157,7 +157,10 @@ pub fn plan(bundle: &ModelBundle, mut config: MemoryConfig, args: PlanArgs) -> R
     }
     let block_tokens = shape.kv_block_tokens.max(1);
     let (held_blocks, all_blocks) = (footprint.kv_tokens.div_ceil(block_tokens), footprint.tokens.div_ceil(block_tokens));
-    println!(
+    if shape.encoder {
+        println!("KV cache   none: an encoder reads its {} prompt tokens in one pass and keeps nothing", args.prompt_tokens);
+    } else {
+        println!(
         "KV cache   {} = {} blocks × {} (a block: {} tokens × {} per token); {} tokens fill {} blocks ({} prompt + {} max_tokens)",
         human_bytes(footprint.kv_bytes),
         held_blocks,
@@ -168,8 +171,9 @@ pub fn plan(bundle: &ModelBundle, mut config: MemoryConfig, args: PlanArgs) -> R
         all_blocks,
         args.prompt_tokens,
         args.max_tokens
-    );
-    if held_blocks < all_blocks {
+        );
+    }
+    if held_blocks < all_blocks && !shape.encoder {
         println!(
             "           overcommit {}×: {held_blocks} of the {all_blocks} blocks reserved, the rest taken as written; when none is left the newest request is preempted and resumes on the CPU (headroom serve overcommits on the sim GPU only for now)",
             config.kv_overcommit
@@ -178,7 +182,7 @@ pub fn plan(bundle: &ModelBundle, mut config: MemoryConfig, args: PlanArgs) -> R
     println!(
         "workspace  {} (prefill chunk {}; {})",
         human_bytes(footprint.workspace_bytes),
-        args.prefill_chunk,
+        if shape.encoder { args.prompt_tokens } else { args.prefill_chunk },
         calibration.source
     );
     println!("margin     {} ({}%)", human_bytes(footprint.margin_bytes), config.fragmentation_margin_percent);

@@ -122,7 +122,13 @@ pub fn planner_for(
     backend: &str,
     config: crate::MemoryConfig,
 ) -> (crate::Planner, ResolvedCalibration) {
-    let resolved = resolve(&bundle.path, &bundle.hash, backend);
+    let resolved = if bundle.config.is_encoder() {
+        // `headroom calibrate` measures a decoder's prefill; an encoder's one pass keeps less
+        // alive than the default's buffers, which over-predict it.
+        ResolvedCalibration { calibration: Calibration::default(), measured: false, source: "analytic default (an encoder's workspace is not calibrated; the default over-predicts it)".into() }
+    } else {
+        resolve(&bundle.path, &bundle.hash, backend)
+    };
     let shape = crate::ModelShape::for_backend(bundle, backend, config.cpu_kv_cache);
     (crate::Planner::new(shape, resolved.calibration, config), resolved)
 }

@@ -319,7 +319,10 @@ impl ModelBundle {
     /// An encoder loads with [`Self::load_encoder`] or [`Self::load_cpu_encoder`] alone: `what` reads decoder tensors.
     fn refuse_encoder(&self, what: &str) -> Result<()> {
         if self.config.is_encoder() {
-            return Err(Error::Config(format!("{} is an encoder (model_type bert): it loads as one (load_encoder, load_cpu_encoder), not through {what}", self.name())));
+            return Err(Error::Config(format!(
+                "{name} is an embedding model (a BERT encoder): it embeds text and generates nothing, and {what} runs decoders only; serve it (`headroom serve --model {name}`) and ask POST /v1/embeddings",
+                name = self.name()
+            )));
         }
         Ok(())
     }
