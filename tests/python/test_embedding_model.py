@@ -124,6 +124,16 @@ def test_embeddings_match_an_independent_numpy_bert(reference):
         # Too long for the length the model was trained to embed (its max_seq_length, 256).
         r = httpx.post(server.url + "/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": "word " * 300}, timeout=30)
         assert r.status_code == 400 and "at most 256 tokens" in r.json()["error"]["message"], r.text
+        # Ollama's truncate cuts to the limit and keeps the final [SEP], as the model was trained.
+        long = "word " * 300
+        r = httpx.post(server.url + "/api/embed", json={"model": "all-MiniLM-L6-v2", "input": long, "truncate": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["prompt_eval_count"] == 256, r.text
+        tokenizer = Tokenizer.from_file(str(MODEL / "tokenizer.json"))
+        tokenizer.no_padding()
+        tokenizer.no_truncation()
+        cut = tokenizer.encode(long).ids[:255] + [tokenizer.token_to_id("[SEP]")]
+        cosine, largest = agreement([np.array(r.json()["embeddings"][0])], [reference_embedding(read_safetensors(MODEL / "model.safetensors"), cut)])
+        assert cosine > 0.99999 and largest < 1e-4, (cosine, largest)
         # An encoder cannot chat.
         r = httpx.post(server.url + "/v1/chat/completions", json={"model": "all-MiniLM-L6-v2", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
         assert r.status_code == 400 and "embedding model" in r.json()["error"]["message"], r.text
