@@ -105,8 +105,28 @@ impl<'m, M: Decoder, K> Batch<'m, M, K> {
                 self.entries[i].session.fed(next);
             }
         }
-        // One prompt chunk per step, first come first served.
-        if let Some(entry) = self
+        // An encoder pools every waiting prompt in one pass; otherwise one prompt chunk per
+        // step, first come first served.
+        if self.model.pools_prompts_together() {
+            let mut prompts = Vec::new();
+            let mut fed = Vec::new();
+            for (i, entry) in self.entries.iter_mut().enumerate() {
+                if entry.stopped || entry.error.is_some() {
+                    continue;
+                }
+                if let Some(input) = entry.session.pooled_input() {
+                    prompts.push(input);
+                    fed.push(i);
+                }
+            }
+            if !prompts.is_empty() {
+                let sums = self.model.feed_pooled_many(&mut prompts);
+                drop(prompts);
+                for (i, sum) in fed.into_iter().zip(sums) {
+                    self.entries[i].session.pooled_fed(sum);
+                }
+            }
+        } else if let Some(entry) = self
             .entries
             .iter_mut()
             .find(|e| !e.stopped && e.error.is_none() && matches!(e.session.work(), Work::Prefill(_)))

@@ -183,6 +183,18 @@ pub trait Decoder {
         let _ = pick;
         batch.iter_mut().map(|(token, cache)| Next::Logits(self.feed(&[*token], cache))).collect()
     }
+    /// Whether a batch step may pool every waiting prompt at once with
+    /// [`Decoder::feed_pooled_many`]: an encoder, whose prompts are read whole and never
+    /// generate. Otherwise a step feeds one prompt chunk.
+    fn pools_prompts_together(&self) -> bool {
+        false
+    }
+    /// [`Decoder::feed_pooled`] of several prompts, each with its own cache: an encoder
+    /// multiplies all their rows together, reading each weight once for all of them. One after
+    /// another where the model cannot.
+    fn feed_pooled_many(&self, prompts: &mut [(&[u32], &mut Self::Cache)]) -> Vec<Vec<f32>> {
+        prompts.iter_mut().map(|(tokens, cache)| self.feed_pooled(tokens, cache)).collect()
+    }
 }
 
 /// What a decode step gives a sequence: the logits of its next token, or the token itself where
@@ -457,23 +469,45 @@ impl<'m, M: Decoder> Session<'m, M> {
     /// Feeds the next prompt chunk (when [`Self::work`] is `Prefill`).
     pub fn feed_prefill(&mut self) {
         let Work::Prefill(range) = self.work() else { panic!("no prompt left to feed") };
-        let started = *self.prefill_started.get_or_insert_with(Instant::now);
-        if let Some(pooled) = &mut self.pooled {
+        self.prefill_started.get_or_insert_with(Instant::now);
+        if self.pooled.is_some() {
             let sum = self.model.feed_pooled(&self.prompt[range.clone()], &mut self.cache);
-            // Test-only: each chunk replaces the sum of the chunks before it.
-            if crate::test_defect("embed-last-chunk") {
-                pooled.fill(0.0);
-            }
-            pooled.iter_mut().zip(sum).for_each(|(p, s)| *p += s);
-            self.prompt_fed = range.end;
-            if self.prompt_fed == self.prompt.len() {
-                self.prefill_ms = started.elapsed().as_secs_f64() * 1000.0;
-                self.finished = Some(FinishReason::Stop);
-            }
+            self.add_pooled(range.end, sum);
             return;
         }
         let logits = self.model.feed(&self.prompt[range], &mut self.cache);
         self.fed(Next::Logits(logits));
+    }
+
+    /// An embedding's next prompt chunk and its cache, for a step that pools several sessions'
+    /// chunks at once ([`Decoder::feed_pooled_many`]); then [`Self::pooled_fed`].
+    pub(crate) fn pooled_input(&mut self) -> Option<(&[u32], &mut M::Cache)> {
+        match self.work() {
+            Work::Prefill(range) if self.pooled.is_some() => Some((&self.prompt[range], &mut self.cache)),
+            _ => None,
+        }
+    }
+
+    /// Takes the pooled sum of the chunk [`Self::pooled_input`] gave.
+    pub(crate) fn pooled_fed(&mut self, sum: Vec<f32>) {
+        let Work::Prefill(range) = self.work() else { panic!("no prompt left to feed") };
+        self.prefill_started.get_or_insert_with(Instant::now);
+        self.add_pooled(range.end, sum);
+    }
+
+    /// Adds a chunk's pooled sum; the chunk ended at prompt position `end`.
+    fn add_pooled(&mut self, end: usize, sum: Vec<f32>) {
+        let pooled = self.pooled.as_mut().expect("an embedding session");
+        // Test-only: each chunk replaces the sum of the chunks before it.
+        if crate::test_defect("embed-last-chunk") {
+            pooled.fill(0.0);
+        }
+        pooled.iter_mut().zip(sum).for_each(|(p, s)| *p += s);
+        self.prompt_fed = end;
+        if self.prompt_fed == self.prompt.len() {
+            self.prefill_ms = self.prefill_started.map_or(0.0, |t| t.elapsed().as_secs_f64() * 1000.0);
+            self.finished = Some(FinishReason::Stop);
+        }
     }
 
     /// An embedding request's vector once its whole prompt is in: the mean of the prompt's

@@ -46,3 +46,23 @@ fn the_cpu_engine_and_burn_encode_alike_with_or_without_padding() {
     let refused = Session::start(&cpu, &bundle, &generation, &CancelToken::new()).err().expect("a generation is refused");
     assert!(refused.to_string().contains("embedding model"), "{refused}");
 }
+
+#[test]
+fn prompts_pooled_together_in_one_step_embed_as_they_do_alone() {
+    let bundle = minilm();
+    let cpu = bundle.load_cpu_encoder().unwrap();
+    let texts = ["A man is eating food.", "The new movie is awesome, and the popcorn was fresh.", "In the beginning God created the heaven and the earth."];
+    let prompts: Vec<Vec<u32>> = texts.iter().map(|t| bundle.encode(t, true).unwrap()).collect();
+    let mut batch = headroom_model::Batch::new(&cpu);
+    for (i, prompt) in prompts.iter().enumerate() {
+        batch.join(i, Session::new(&cpu, &bundle, &GenerateRequest::embedding(prompt.clone())).unwrap(), CancelToken::new());
+    }
+    let left = batch.step(|_, _, _, _| true);
+    assert_eq!(left.len(), texts.len(), "one step pools every waiting prompt");
+    for done in left {
+        let alone = embed(&cpu, &bundle, &prompts[done.key], 512);
+        let together = done.session.embedding().unwrap();
+        let largest = alone.iter().zip(&together).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(largest < 1e-6, "{}: together differs from alone by {largest}", texts[done.key]);
+    }
+}

@@ -121,29 +121,46 @@ impl CpuBert {
     /// The sum of `tokens`' last hidden states (`hidden_size` values): what mean pooling
     /// divides by their count.
     pub fn pooled_sum(&self, tokens: &[u32]) -> Vec<f32> {
-        let (n, h) = (tokens.len(), self.hidden);
-        assert!(n * h <= self.positions.len(), "{n} tokens are past the position table");
+        self.pooled_sums(&[tokens]).pop().expect("one input")
+    }
+
+    /// [`Self::pooled_sum`] of several inputs in one pass: their rows go through every product
+    /// together (each weight read once for all), each attending only to its own.
+    pub fn pooled_sums(&self, inputs: &[&[u32]]) -> Vec<Vec<f32>> {
+        let h = self.hidden;
+        let n: usize = inputs.iter().map(|t| t.len()).sum();
         let mut x = Vec::with_capacity(n * h);
-        for (t, &id) in tokens.iter().enumerate() {
-            let id = (id as usize).min(self.vocab - 1);
-            let word = &self.words[id * h..(id + 1) * h];
-            let position = &self.positions[t * h..(t + 1) * h];
-            x.extend(word.iter().zip(position).zip(&self.token_type).map(|((w, p), ty)| w + p + ty));
+        let mut spans = Vec::with_capacity(inputs.len());
+        for tokens in inputs {
+            assert!(tokens.len() * h <= self.positions.len(), "{} tokens are past the position table", tokens.len());
+            spans.push(x.len() / h..x.len() / h + tokens.len());
+            for (t, &id) in tokens.iter().enumerate() {
+                let id = (id as usize).min(self.vocab - 1);
+                let word = &self.words[id * h..(id + 1) * h];
+                let position = &self.positions[t * h..(t + 1) * h];
+                x.extend(word.iter().zip(position).zip(&self.token_type).map(|((w, p), ty)| w + p + ty));
+            }
         }
         self.embedding_norm.apply(&mut x);
         Team::run(|team| {
             for layer in &self.layers {
-                self.layer(layer, &mut x, n, team);
+                self.layer(layer, &mut x, n, &spans, team);
             }
         });
-        let mut sum = vec![0.0; h];
-        for row in x.chunks_exact(h) {
-            sum.iter_mut().zip(row).for_each(|(s, v)| *s += v);
-        }
-        sum
+        spans
+            .iter()
+            .map(|span| {
+                let mut sum = vec![0.0; h];
+                for row in x[span.start * h..span.end * h].chunks_exact(h) {
+                    sum.iter_mut().zip(row).for_each(|(s, v)| *s += v);
+                }
+                sum
+            })
+            .collect()
     }
 
-    fn layer(&self, layer: &Layer, x: &mut [f32], n: usize, team: &Team) {
+    /// One layer over `n` rows, the inputs' `spans` of them.
+    fn layer(&self, layer: &Layer, x: &mut [f32], n: usize, spans: &[std::ops::Range<usize>], team: &Team) {
         let h = self.hidden;
         let (mut q, mut k, mut v) = (vec![0.0; n * h], vec![0.0; n * h], vec![0.0; n * h]);
         {
@@ -153,7 +170,7 @@ impl CpuBert {
         layer.query.add_bias(&mut q);
         layer.key.add_bias(&mut k);
         layer.value.add_bias(&mut v);
-        let context = self.attend(&q, &k, &v, n, team);
+        let context = self.attend(&q, &k, &v, n, spans, team);
         let mut attended = vec![0.0; n * h];
         layer.attention_out.weight.multiply(&Activations::new(&context, n, h), &mut attended, team);
         layer.attention_out.add_bias(&mut attended);
@@ -172,9 +189,9 @@ impl CpuBert {
         layer.output_norm.apply(x);
     }
 
-    /// Every token attends to every other (test-only `encoder-causal`: only to earlier ones,
-    /// as in a decoder); one task per head.
-    fn attend(&self, q: &[f32], k: &[f32], v: &[f32], n: usize, team: &Team) -> Vec<f32> {
+    /// Every token attends to every other of its input (test-only `encoder-causal`: only to
+    /// earlier ones, as in a decoder); one task per head.
+    fn attend(&self, q: &[f32], k: &[f32], v: &[f32], n: usize, spans: &[std::ops::Range<usize>], team: &Team) -> Vec<f32> {
         let (h, heads) = (self.hidden, self.heads);
         let d = h / heads;
         let scale = 1.0 / (d as f32).sqrt();
@@ -186,11 +203,11 @@ impl CpuBert {
             }
             let mut out = vec![0.0; n * d];
             let mut scores = vec![0.0f32; n];
-            for i in 0..n {
-                let seen = if causal { i + 1 } else { n };
+            for (start, len, i) in spans.iter().flat_map(|span| span.clone().map(move |i| (span.start, span.len(), i))) {
+                let seen = if causal { i + 1 - start } else { len };
                 let qi = at(q, i, h, head, d);
                 for (j, s) in scores[..seen].iter_mut().enumerate() {
-                    *s = qi.iter().zip(at(k, j, h, head, d)).map(|(a, b)| a * b).sum::<f32>() * scale;
+                    *s = qi.iter().zip(at(k, start + j, h, head, d)).map(|(a, b)| a * b).sum::<f32>() * scale;
                 }
                 let max = scores[..seen].iter().cloned().fold(f32::NEG_INFINITY, f32::max);
                 let mut total = 0.0;
@@ -201,7 +218,7 @@ impl CpuBert {
                 let row = &mut out[i * d..(i + 1) * d];
                 for (j, s) in scores[..seen].iter().enumerate() {
                     let p = s / total;
-                    row.iter_mut().zip(at(v, j, h, head, d)).for_each(|(o, vj)| *o += p * vj);
+                    row.iter_mut().zip(at(v, start + j, h, head, d)).for_each(|(o, vj)| *o += p * vj);
                 }
             }
             *per_head[head].lock().unwrap() = out;
@@ -227,5 +244,12 @@ impl crate::Decoder for CpuBert {
     }
     fn feed_pooled(&self, tokens: &[u32], _cache: &mut crate::bert::NoCache) -> Vec<f32> {
         self.pooled_sum(tokens)
+    }
+    fn pools_prompts_together(&self) -> bool {
+        true
+    }
+    fn feed_pooled_many(&self, prompts: &mut [(&[u32], &mut crate::bert::NoCache)]) -> Vec<Vec<f32>> {
+        let inputs: Vec<&[u32]> = prompts.iter().map(|(tokens, _)| *tokens).collect();
+        self.pooled_sums(&inputs)
     }
 }
