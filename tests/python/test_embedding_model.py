@@ -9,7 +9,11 @@ normalization. The negative control serves the encoder with a decoder's causal m
 
 import json
 import math
+import os
+import signal
 import struct
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -190,5 +194,72 @@ def test_the_embedding_model_takes_turns_with_the_default_chat_model_on_one_gpu(
         r = httpx.post(server.url + "/v1/chat/completions", json={"model": chat_model, "messages": [{"role": "user", "content": "Name a fruit."}], "max_tokens": 8}, timeout=300)
         assert r.status_code == 200 and r.headers["x-headroom-device"] == "sim", r.text
         assert where() == {chat_model: "gpu", "all-MiniLM-L6-v2": "cpu"}, "the idle embedding model was evicted"
+    finally:
+        server.stop()
+
+
+def embeddings_through_a_gpu_kill(server, texts):
+    """Sends every text as its own embeddings request at once, the GPU's 4 slots full (each
+    step slowed 100×) and the rest queued behind them, and kills the GPU worker with kill -9.
+    Gives each request's response."""
+    assert httpx.patch(server.url + "/v1/settings", json={"cpu_max_concurrency": 1}, timeout=120).status_code == 200
+    assert httpx.post(server.url + "/admin/sim/fault", json={"fault": "slowdown", "factor": 100}, timeout=30).status_code == 200
+    responses = [None] * len(texts)
+
+    def send(i):
+        responses[i] = httpx.post(server.url + "/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": texts[i]}, timeout=300)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(texts))]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 60
+    while True:
+        status = server.status()
+        gpu = next(q for q in status["queues"] if q["device"] == "gpu")
+        if gpu["running"] == 4 and gpu["waiting"] >= 1:
+            break
+        assert time.time() < deadline, f"the GPU's slots never filled: {status['queues']}"
+        time.sleep(0.02)
+    pid = next((w["pid"] for w in status["workers"] if w["kind"] == "gpu"), None)
+    assert pid, f"no GPU worker while its slots are full: {status['workers']}"
+    os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=300)
+    return responses
+
+
+LOAD = [f"Request {i} of the load asks how much memory the GPU has left for chat number {i * 7}." for i in range(10)]
+
+
+def test_embeddings_at_full_load_survive_a_gpu_worker_kill(reference):
+    """Nothing accepted is lost: the four running on the GPU and the six queued behind them all
+    end with their own vector (numpy's for their text), on the CPU worker's encoder or the
+    restarted GPU worker's."""
+    tokenizer = Tokenizer.from_file(str(MODEL / "tokenizer.json"))
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    weights = read_safetensors(MODEL / "model.safetensors")
+    expected = [reference_embedding(weights, tokenizer.encode(text).ids) for text in LOAD]
+    server = serve()
+    try:
+        responses = embeddings_through_a_gpu_kill(server, LOAD)
+        lost = [(i, r.status_code, r.text[:200]) for i, r in enumerate(responses) if r is None or r.status_code != 200]
+        assert not lost, f"lost after acceptance: {lost}"
+        served = [np.array(r.json()["data"][0]["embedding"]) for r in responses]
+        cosine, largest = agreement(served, expected)
+        assert cosine > 0.99999 and largest < 1e-4, (cosine, largest)
+        devices = [r.json()["data"][0]["headroom"]["device"] for r in responses]
+        assert "cpu" in devices, f"nothing failed over: {devices}"
+    finally:
+        server.stop()
+
+
+def test_negative_control_failover_past_the_cpu_queue_loses_embeddings():
+    """The same kill with failover sent straight to the one-slot CPU worker, past its queue
+    (the wave-1 defect): requests are lost, so the test above can fail."""
+    server = serve(env={"HEADROOM_TEST_DEFECT": "failover-bypasses-cpu-queue"})
+    try:
+        responses = embeddings_through_a_gpu_kill(server, LOAD)
+        assert any(r is None or r.status_code != 200 for r in responses), "the defect lost nothing"
     finally:
         server.stop()

@@ -207,7 +207,8 @@ impl Dispatcher {
             return Err(Ended::Failed { reason: detail, resumable: true });
         }
         x.on_gpu = false;
-        if self.has_defect(Defect::FailoverBypassesCpuQueue) {
+        // Test-only, also from the environment for end-to-end controls.
+        if self.has_defect(Defect::FailoverBypassesCpuQueue) || headroom_model::test_defect("failover-bypasses-cpu-queue") {
             self.inner.cpu.waiting.fetch_add(1, Ordering::SeqCst);
             self.inner.cpu.join(&x.id, x.shape.prompt_tokens, x.shape.max_tokens);
             x.skip_slot = true;
