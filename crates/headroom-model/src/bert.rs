@@ -5,9 +5,10 @@
 //! model's Pooling and Normalize modules do). Nothing is generated: there is no KV cache.
 //!
 //! This is burn's implementation, which a CUDA worker runs; the CPU worker and the sim GPU run
-//! the same model on the CPU engine's kernels ([`crate::cpu::CpuBert`], checked against this one
-//! in `tests/encoder.rs`). Weights stay f32 on every device: an encoder reads each weight once per prompt, not once per
-//! token, so halving them buys little, and they are small (MiniLM-L6: 91 MB).
+//! the same model on the CPU engine's kernels ([`crate::cpu::CpuBert`], checked against this
+//! one in `tests/encoder.rs`). Weights stay f32 on every device: an encoder reads each weight
+//! once per prompt, not once per token, so halving them buys little, and they are small
+//! (MiniLM-L6: 91 MB).
 
 use std::path::Path;
 
@@ -129,13 +130,13 @@ impl<B: Backend> Bert<B> {
         let embedded = self.words.clone().select(0, ids) + self.positions.clone().narrow(0, 0, padded) + self.token_type.clone().unsqueeze::<2>();
         let mut x = self.embedding_norm.forward(embedded.unsqueeze::<3>());
         // No token sees the padding. Test-only: nor a later token, as in a decoder (the defect
-        // the embedding test's control runs).
+        // the embedding test's control runs). Masked even with no padding: one kernel path for
+        // every length, the one the warm-up compiled.
         let causal = crate::test_defect("encoder-causal");
         let hidden: Vec<bool> = (0..padded).flat_map(|r| (0..padded).map(move |c| c >= n || (causal && c > r))).collect();
         let mask = Tensor::<B, 2, Bool>::from_data(TensorData::new(hidden, [padded, padded]), &device);
-        let mask = (causal || padded > n).then_some(mask);
         for layer in &self.layers {
-            let attended = layer.attention_out.forward(self.attend(layer, x.clone(), mask.as_ref()));
+            let attended = layer.attention_out.forward(self.attend(layer, x.clone(), &mask));
             x = layer.attention_norm.forward(attended + x);
             let up = gelu(layer.intermediate.forward(x.clone()));
             x = layer.output_norm.forward(layer.output.forward(up) + x);
@@ -143,7 +144,7 @@ impl<B: Backend> Bert<B> {
         x
     }
 
-    fn attend(&self, layer: &EncoderLayer<B>, x: Tensor<B, 3>, mask: Option<&Tensor<B, 2, Bool>>) -> Tensor<B, 3> {
+    fn attend(&self, layer: &EncoderLayer<B>, x: Tensor<B, 3>, mask: &Tensor<B, 2, Bool>) -> Tensor<B, 3> {
         let [batch, n, hidden] = x.dims();
         let (h, d) = (self.heads, hidden / self.heads);
         let split = |t: Tensor<B, 3>| t.reshape([batch, n, h, d]).swap_dims(1, 2);
@@ -151,10 +152,7 @@ impl<B: Backend> Bert<B> {
         let k_t = split(layer.key.forward(x.clone())).swap_dims(2, 3);
         let v = split(layer.value.forward(x));
         let scores = q.matmul(k_t) * (1.0 / (d as f64).sqrt());
-        let scores = match mask {
-            Some(mask) => scores.mask_fill(mask.clone().unsqueeze::<4>(), f32::NEG_INFINITY),
-            None => scores,
-        };
+        let scores = scores.mask_fill(mask.clone().unsqueeze::<4>(), f32::NEG_INFINITY);
         softmax(scores, 3).matmul(v).swap_dims(1, 2).reshape([batch, n, hidden])
     }
 
