@@ -7,6 +7,7 @@ bidirectional attention and exact GELU, then sentence-transformers' mean pooling
 normalization. The negative control serves the encoder with a decoder's causal mask
 (HEADROOM_TEST_DEFECT=encoder-causal), which the same comparison must reject."""
 
+import functools
 import json
 import math
 import os
@@ -80,14 +81,20 @@ def reference_embedding(t, ids, heads=12):
     return mean / np.linalg.norm(mean)
 
 
-@pytest.fixture(scope="module")
-def reference():
+@functools.cache
+def reference_model():
+    """The reference's tokenizer (unpadded, uncut) and weights, read once for every test."""
     if not (MODEL / "model.safetensors").exists():
         pytest.fail(f"{MODEL} is missing: run ./scripts/install.sh")
     tokenizer = Tokenizer.from_file(str(MODEL / "tokenizer.json"))
     tokenizer.no_padding()
     tokenizer.no_truncation()
-    weights = read_safetensors(MODEL / "model.safetensors")
+    return tokenizer, read_safetensors(MODEL / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    tokenizer, weights = reference_model()
     ids = [tokenizer.encode(text).ids for text in TEXTS]
     return ids, [reference_embedding(weights, i) for i in ids]
 
@@ -132,11 +139,9 @@ def test_embeddings_match_an_independent_numpy_bert(reference):
         long = "word " * 300
         r = httpx.post(server.url + "/api/embed", json={"model": "all-MiniLM-L6-v2", "input": long, "truncate": True}, timeout=60)
         assert r.status_code == 200 and r.json()["prompt_eval_count"] == 256, r.text
-        tokenizer = Tokenizer.from_file(str(MODEL / "tokenizer.json"))
-        tokenizer.no_padding()
-        tokenizer.no_truncation()
+        tokenizer, weights = reference_model()
         cut = tokenizer.encode(long).ids[:255] + [tokenizer.token_to_id("[SEP]")]
-        cosine, largest = agreement([np.array(r.json()["embeddings"][0])], [reference_embedding(read_safetensors(MODEL / "model.safetensors"), cut)])
+        cosine, largest = agreement([np.array(r.json()["embeddings"][0])], [reference_embedding(weights, cut)])
         assert cosine > 0.99999 and largest < 1e-4, (cosine, largest)
         # An encoder cannot chat.
         r = httpx.post(server.url + "/v1/chat/completions", json={"model": "all-MiniLM-L6-v2", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
@@ -231,14 +236,11 @@ def embeddings_through_a_gpu_kill(server, texts):
 LOAD = [f"Request {i} of the load asks how much memory the GPU has left for chat number {i * 7}." for i in range(10)]
 
 
-def test_embeddings_at_full_load_survive_a_gpu_worker_kill(reference):
+def test_embeddings_at_full_load_survive_a_gpu_worker_kill():
     """Nothing accepted is lost: the four running on the GPU and the six queued behind them all
     end with their own vector (numpy's for their text), on the CPU worker's encoder or the
     restarted GPU worker's."""
-    tokenizer = Tokenizer.from_file(str(MODEL / "tokenizer.json"))
-    tokenizer.no_padding()
-    tokenizer.no_truncation()
-    weights = read_safetensors(MODEL / "model.safetensors")
+    tokenizer, weights = reference_model()
     expected = [reference_embedding(weights, tokenizer.encode(text).ids) for text in LOAD]
     server = serve()
     try:

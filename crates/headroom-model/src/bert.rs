@@ -184,14 +184,7 @@ pub(crate) fn token_type_row(files: &WeightFiles, config: &LlamaConfig) -> Resul
 /// trained to embed (`sentence_bert_config.json`'s `max_seq_length`), and that it pools by
 /// the mean of the tokens (`1_Pooling/config.json`), the one pooling Headroom runs.
 pub(crate) fn read_folder(dir: &Path, config: &mut LlamaConfig) -> Result<()> {
-    let read = |name: &str| -> Result<Option<serde_json::Value>> {
-        let path = dir.join(name);
-        if !path.exists() {
-            return Ok(None);
-        }
-        let text = std::fs::read_to_string(&path)?;
-        serde_json::from_str(&text).map(Some).map_err(|e| Error::Config(format!("{} is not valid JSON: {e}", path.display())))
-    };
+    let read = |name: &str| crate::bundle::read_json(&dir.join(name));
     if let Some(pooling) = read("1_Pooling/config.json")? {
         let modes: Vec<&str> = pooling.as_object().into_iter().flatten().filter(|(k, v)| k.starts_with("pooling_mode_") && v.as_bool() == Some(true)).map(|(k, _)| k.as_str()).collect();
         if modes != ["pooling_mode_mean_tokens"] {

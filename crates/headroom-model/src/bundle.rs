@@ -113,7 +113,7 @@ fn folder_error(dir: &Path, reason: impl Into<String>) -> Error {
     }
 }
 
-fn read_json(path: &Path) -> Result<Option<serde_json::Value>> {
+pub(crate) fn read_json(path: &Path) -> Result<Option<serde_json::Value>> {
     if !path.exists() {
         return Ok(None);
     }
@@ -301,19 +301,22 @@ impl ModelBundle {
 
     /// Loads an encoder (see [`crate::bert`]) onto `device`, every weight f32.
     pub fn load_encoder<B: Backend>(&self, device: &B::Device, on_layer: impl FnMut(usize, usize)) -> Result<crate::bert::Bert<B>> {
-        if !self.config.is_encoder() {
-            return Err(Error::Config(format!("{} is a decoder (model_type {}), not an encoder", self.name(), self.config.model_type)));
-        }
+        self.require_encoder()?;
         crate::bert::Bert::load(&WeightFiles::open(&self.path)?, &self.config, device, on_layer)
     }
 
     /// Loads an encoder (see [`crate::bert`]) for the CPU engine: the CPU worker's and the sim
     /// GPU's.
     pub fn load_cpu_encoder(&self) -> Result<crate::cpu::CpuBert> {
+        self.require_encoder()?;
+        crate::cpu::CpuBert::load(&WeightFiles::open(&self.path)?, &self.config)
+    }
+
+    fn require_encoder(&self) -> Result<()> {
         if !self.config.is_encoder() {
             return Err(Error::Config(format!("{} is a decoder (model_type {}), not an encoder", self.name(), self.config.model_type)));
         }
-        crate::cpu::CpuBert::load(&WeightFiles::open(&self.path)?, &self.config)
+        Ok(())
     }
 
     /// An encoder loads with [`Self::load_encoder`] or [`Self::load_cpu_encoder`] alone: `what` reads decoder tensors.
