@@ -408,7 +408,6 @@ impl State {
             .as_ref()
             .map(|l| match (&l.engine, self.options.device) {
                 (Engine::Cpu(model), Device::Cpu) => model.weight_bytes() as u64,
-                (Engine::Encoder(model), Device::Cpu) => model.weight_bytes() as u64,
                 (_, device) => device_weight_bytes(&l.bundle, device, l.split),
             })
             .unwrap_or(0);

@@ -83,7 +83,6 @@ pub struct CpuBert {
     hidden: usize,
     heads: usize,
     vocab: usize,
-    weight_bytes: usize,
 }
 
 impl CpuBert {
@@ -109,13 +108,7 @@ impl CpuBert {
             });
         }
         let embedding_norm = Norm::load(files, &named("embeddings.LayerNorm"), config)?;
-        let weight_bytes = 4 * config.parameter_count();
-        Ok(Self { words, positions, token_type: crate::bert::token_type_row(files, config)?, embedding_norm, layers, hidden: h, heads: config.num_attention_heads, vocab: config.vocab_size, weight_bytes })
-    }
-
-    /// Bytes of weights held (all f32).
-    pub fn weight_bytes(&self) -> usize {
-        self.weight_bytes
+        Ok(Self { words, positions, token_type: crate::bert::token_type_row(files, config)?, embedding_norm, layers, hidden: h, heads: config.num_attention_heads, vocab: config.vocab_size })
     }
 
     /// The sum of `tokens`' last hidden states (`hidden_size` values): what mean pooling
