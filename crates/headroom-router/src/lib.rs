@@ -4,6 +4,7 @@
 //! It never parses HTTP or renders UI.
 
 pub mod breaker;
+mod cpu_share;
 pub mod degraded;
 pub mod dispatch;
 pub mod events;
@@ -15,6 +16,7 @@ pub mod supervisor;
 pub mod worker;
 
 pub use breaker::{Breaker, BreakerConfig, BreakerState, BreakerTransition, FailureCause};
+pub use cpu_share::SharedCpu;
 pub use dispatch::{
     CancelOutcome, Completion, Defect, Dispatcher, GpuKv, GpuShare, Placement, QueueConfig, QueueStatus, ServiceStatus, SettingsError, SettingsUpdate, StreamEvent, Submission, SubmitError, Ticket,
     WaitNotice, WorkerSnapshot, WorkerState,

@@ -12,16 +12,22 @@ use std::time::Duration;
 
 use headroom_memory::MemoryConfig;
 use headroom_model::ModelBundle;
-use headroom_router::{Defect, Dispatcher, GpuShare, Journal, Lane, QueueConfig, Settings, Supervisor, Ticket};
+use headroom_router::{Defect, Dispatcher, GpuShare, Journal, Lane, QueueConfig, Settings, SharedCpu, Supervisor, Ticket};
 use headroom_worker::Device;
 use support::{config, ends, model_dir, prompt, submission, until, Workers};
 
 const GPU_MIB: u64 = 74;
 
 async fn model(workers: &Arc<Workers>, share: &GpuShare, name: &str, at_start: bool, pinned: bool, defect: Option<Defect>) -> Dispatcher {
+    model_on_cpu_of(workers, share, name, at_start, pinned, defect, None).await
+}
+
+/// A model as [`model`] makes it, whose CPU path uses `cpu`, another model's CPU worker.
+async fn model_on_cpu_of(workers: &Arc<Workers>, share: &GpuShare, name: &str, at_start: bool, pinned: bool, defect: Option<Defect>, cpu: Option<SharedCpu>) -> Dispatcher {
     let mut c = config(workers, 4, Duration::from_millis(4));
     c.gpu.as_mut().unwrap().sim_vram_mib = GPU_MIB;
     c.gpu_at_start = at_start;
+    c.cpu_share = cpu;
     let supervisor = Supervisor::start(c).await.unwrap();
     let bundle = ModelBundle::open(model_dir()).unwrap();
     let memory = MemoryConfig { vram_reserve_mib: Some(0), ..MemoryConfig::default() };
@@ -210,4 +216,81 @@ async fn a_restarting_model_keeps_its_place_on_the_gpu() {
 async fn negative_control_a_restart_counted_as_nothing_is_caught() {
     let (both, _) = request_beside_a_restart(Some(Defect::RestartingModelUncounted)).await;
     assert!(both, "with a restarting model counted as nothing, B loads beside it (the defect the test above catches)");
+}
+
+/// Two models whose CPU paths run one CPU worker (one slot), with one queue in front of it. A's
+/// GPU has its 4 slots full and 4 requests queued behind them (half of them streaming); B
+/// cannot load beside busy A, so its 3 requests go to the shared CPU worker (one running, two
+/// queued). Then A's GPU worker dies: its 8 requests fail over into the same CPU queue.
+/// Returns what was lost after acceptance, how many CPU workers were launched, and the host
+/// RAM the models' admission sees their workers hold.
+async fn one_cpu_worker_for_two_models(queue_per_model: bool, defect: Option<Defect>) -> (Vec<String>, usize, u64) {
+    let workers = Arc::new(Workers::default());
+    let share = GpuShare::new();
+    let a = model(&workers, &share, "a", true, false, defect).await;
+    let cpu = a.supervisor().shared_cpu();
+    if queue_per_model {
+        cpu.queue_per_model_for_test();
+    }
+    let b = model_on_cpu_of(&workers, &share, "b", false, false, defect, Some(cpu.clone())).await;
+    assert_eq!(cpu.users(), 2);
+    let host_weights = b.host_budget().weights_bytes;
+    let mut tickets: Vec<Ticket> = (0..8).map(|i| a.submit(submission(&format!("a-{i}"), prompt(i), 60, i % 2 == 0)).unwrap()).collect();
+    let lane = |d: &Dispatcher, lane: Lane| d.queues().into_iter().find(|q| q.device == lane).unwrap();
+    until(10, "A's 4 GPU slots full and 4 queued", || lane(&a, Lane::Gpu).running == 4 && lane(&a, Lane::Gpu).waiting == 4).await;
+    tickets.extend((0..3).map(|i| b.submit(submission(&format!("b-{i}"), prompt(i), 30, i % 2 == 1)).unwrap()));
+    until(10, "B's request running on the shared CPU worker", || lane(&b, Lane::Cpu).running == 1).await;
+    until(10, "8 tokens of each running request of A", || workers.tokens_generated(Device::Sim) >= 4 * 8).await;
+    workers.kill_latest(Device::Sim);
+    let e = ends(tickets).await;
+    let mut lost: Vec<String> = e.lost.iter().map(|l| format!("{l:?}")).collect();
+    for c in &e.completed {
+        let expected = if c.outcome.request_id.starts_with("a-") { 60 } else { 30 };
+        if c.outcome.tokens.len() != expected {
+            lost.push(format!("{} ended with {} of {expected} tokens", c.outcome.request_id, c.outcome.tokens.len()));
+        }
+    }
+    let cpu_launches = workers.launches(Device::Cpu);
+    for d in [b, a] {
+        d.supervisor().shutdown().await;
+    }
+    (lost, cpu_launches, host_weights)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_models_share_one_cpu_worker_and_its_queue_through_a_gpu_kill_at_full_load() {
+    let (lost, cpu_launches, host_weights) = one_cpu_worker_for_two_models(false, None).await;
+    assert!(lost.is_empty(), "lost after acceptance: {lost:?}");
+    assert_eq!(cpu_launches, 1, "one CPU worker for both models");
+    assert_eq!(host_weights, 64 << 20, "the shared CPU worker's weights count once (the sim GPU worker holds no host RAM)");
+}
+
+/// Negative control: a queue per model in front of the shared worker lets B's request and A's
+/// failovers take more slots than the worker has; the worker refuses them and they are lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_a_queue_per_model_in_front_of_a_shared_cpu_worker_loses_requests() {
+    let (lost, cpu_launches, _) = one_cpu_worker_for_two_models(true, None).await;
+    assert_eq!(cpu_launches, 1);
+    assert!(!lost.is_empty(), "the defect lost nothing");
+}
+
+/// Negative control of the host RAM count: the shared worker counted once per model is caught.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_a_shared_cpu_worker_counted_per_model_is_caught() {
+    let (_, _, host_weights) = one_cpu_worker_for_two_models(false, Some(Defect::SharedCpuCountedTwice)).await;
+    assert_eq!(host_weights, 2 * (64 << 20), "counted once per model (the defect the first test catches)");
+}
+
+/// A model cannot borrow a CPU worker that runs something else than its CPU path would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cpu_worker_running_another_model_or_options_is_not_shared() {
+    let workers = Arc::new(Workers::default());
+    let share = GpuShare::new();
+    let a = model(&workers, &share, "a", true, false, None).await;
+    let mut c = config(&workers, 4, Duration::from_millis(4));
+    c.cpu.max_concurrency = 3;
+    c.cpu_share = Some(a.supervisor().shared_cpu());
+    let err = Supervisor::start(c).await.err().expect("refused");
+    assert!(err.to_string().contains("same model with the same CPU settings"), "{err}");
+    a.supervisor().shutdown().await;
 }

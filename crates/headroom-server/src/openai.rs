@@ -531,6 +531,10 @@ pub struct ModelDetails {
     /// When a request last used the model (Unix ms); absent before the first.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub last_used_unix_ms: Option<u64>,
+    /// The other served models whose CPU path runs on this model's CPU worker (one process,
+    /// one queue, its weights in RAM once: their `resident_bytes.cpu` is the same worker's).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub cpu_worker_shared_with: Vec<String>,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]

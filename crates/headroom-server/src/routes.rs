@@ -449,11 +449,13 @@ fn served_model_details(state: &AppState) -> openai::ModelDetails {
         role: Some(state.role.as_str().into()),
         resident_bytes: None,
         last_used_unix_ms: None,
+        cpu_worker_shared_with: Vec::new(),
     }
 }
 
-/// Where the served model is loaded now, what each device holds of it, and its last use.
-fn served_model_now(state: &AppState, s: &headroom_router::ServiceStatus) -> openai::ModelDetails {
+/// Where the served model is loaded now, what each device holds of it, its last use, and the
+/// other models of `served` that share its CPU worker.
+fn served_model_now(state: &AppState, s: &headroom_router::ServiceStatus, served: &[Arc<AppState>]) -> openai::ModelDetails {
     let gpu = s.workers.iter().find(|w| w.lane == headroom_router::Lane::Gpu && w.pid.is_some() && w.state != headroom_router::WorkerState::Unloaded);
     let mut resident = std::collections::BTreeMap::new();
     if let (Some(_), Some(reading)) = (gpu, s.gpu_memory.as_ref()) {
@@ -471,10 +473,12 @@ fn served_model_now(state: &AppState, s: &headroom_router::ServiceStatus) -> ope
         None => "cpu",
     };
     let used = state.dispatcher.supervisor().last_used();
+    let cpu = state.dispatcher.supervisor().shared_cpu();
     openai::ModelDetails {
         state: Some(where_now.into()),
         resident_bytes: Some(resident),
         last_used_unix_ms: used.and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).map(|d| d.as_millis() as u64),
+        cpu_worker_shared_with: served.iter().filter(|m| m.model_id != state.model_id && m.dispatcher.supervisor().shared_cpu().same_as(&cpu)).map(|m| m.model_id.clone()).collect(),
         ..served_model_details(state)
     }
 }
@@ -484,7 +488,7 @@ fn served_model_now(state: &AppState, s: &headroom_router::ServiceStatus) -> ope
 fn model_cards(state: &Arc<AppState>) -> Vec<openai::ModelCard> {
     let card = |id: String, headroom: openai::ModelDetails| openai::ModelCard { id, object: "model".into(), created: state.created_unix, owned_by: "headroom".into(), headroom };
     let served = state.served();
-    let mut cards: Vec<openai::ModelCard> = served.iter().map(|m| card(m.model_id.clone(), served_model_now(m, &m.dispatcher.status()))).collect();
+    let mut cards: Vec<openai::ModelCard> = served.iter().map(|m| card(m.model_id.clone(), served_model_now(m, &m.dispatcher.status(), &served))).collect();
     let served_paths: Vec<_> = served.iter().filter_map(|m| m.bundle.path.canonicalize().ok()).collect();
     for path in headroom_model::bundle::installed_models() {
         if path.canonicalize().ok().is_some_and(|p| served_paths.contains(&p)) {
@@ -509,6 +513,7 @@ fn model_cards(state: &Arc<AppState>) -> Vec<openai::ModelCard> {
                 role: None,
                 resident_bytes: None,
                 last_used_unix_ms: None,
+                cpu_worker_shared_with: Vec::new(),
             },
         ));
     }
@@ -648,6 +653,7 @@ fn gpu_other_bytes(state: &Arc<AppState>) -> Option<u64> {
 
 fn status_body(state: &Arc<AppState>) -> StatusBody {
     let s = state.dispatcher.status();
+    let served = state.served();
     let breaker = serde_json::to_value(s.breaker).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
     let workers = s
         .workers
@@ -706,12 +712,11 @@ fn status_body(state: &Arc<AppState>) -> StatusBody {
             value
         }),
         gpu_residency: s.gpu_residency.as_ref().and_then(|r| serde_json::to_value(r).ok()),
-        models: state
-            .served()
+        models: served
             .iter()
             .map(|m| {
                 let s = m.dispatcher.status();
-                let now = served_model_now(m, &s);
+                let now = served_model_now(m, &s, &served);
                 let (gpu_weights, gpu_held) = m.dispatcher.held_on_gpu();
                 json!({
                     "id": m.model_id,
@@ -725,6 +730,8 @@ fn status_body(state: &Arc<AppState>) -> StatusBody {
                     "last_used_unix_ms": now.last_used_unix_ms,
                     "gpu_residency": s.gpu_residency,
                     "gpu_pid": m.dispatcher.supervisor().gpu_worker().map(|w| w.pid),
+                    "cpu_pid": m.dispatcher.supervisor().cpu_worker().map(|w| w.pid),
+                    "cpu_worker_shared_with": now.cpu_worker_shared_with,
                     "breaker": s.breaker,
                     // Each model's own degraded mode: the tray and the page follow every model.
                     "degraded": s.degradation.is_some(),
@@ -928,8 +935,9 @@ fn model_metrics(state: &Arc<AppState>) -> String {
     let mut resident = String::from("# HELP headroom_model_resident_bytes Weight bytes of the model each device holds now\n# TYPE headroom_model_resident_bytes gauge\n");
     let mut loads = String::from("# HELP headroom_model_gpu_loads Times the model was loaded on the GPU for a request (after an unload, an eviction, or a start without it)\n# TYPE headroom_model_gpu_loads counter\n");
     let mut unloads = String::from("# HELP headroom_model_gpu_unloads Times the GPU's copy of the model was unloaded (keep_alive) or evicted for another model\n# TYPE headroom_model_gpu_unloads counter\n");
-    for m in state.served() {
-        let now = served_model_now(&m, &m.dispatcher.status());
+    let served = state.served();
+    for m in &served {
+        let now = served_model_now(m, &m.dispatcher.status(), &served);
         let model = label(&m.model_id);
         let on_gpu = matches!(now.state.as_deref(), Some("gpu") | Some("split"));
         loaded.push_str(&format!("headroom_model_loaded_on_gpu{{model=\"{model}\",role=\"{}\"}} {}\n", m.role.as_str(), u8::from(on_gpu)));

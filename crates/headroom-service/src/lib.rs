@@ -5,7 +5,7 @@
 //! parse [`ServeOptions`] and call it; both binaries also run [`run_worker`] when the supervisor
 //! spawns them as `<exe> worker ...`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -116,7 +116,8 @@ pub struct ModelEntry {
     #[serde(default)]
     pub pin: bool,
     /// A smaller model for this model's CPU worker (as `[server] cpu_fallback_model` is for
-    /// the first); replies it gives say so.
+    /// the first): a models-folder name, a path, or the `name` of another [[models]] entry;
+    /// replies it gives say so. Models whose CPU path runs the same model share one CPU worker.
     #[serde(default)]
     pub fallback: Option<String>,
 }
@@ -148,6 +149,35 @@ impl ModelEntry {
             bail!("[[models]] name {name:?} (for {}) is not a usable model name: use 1 to 64 letters, digits, '.', '_' or '-', not starting with '.' (requests name the model by it)", self.source);
         }
         Ok(name.clone())
+    }
+}
+
+/// The model a `fallback` names: another entry by its `name`, else a models-folder name or path.
+fn resolve_fallback(fallback: &str, entries: &[ModelEntry]) -> PathBuf {
+    match entries.iter().find(|e| e.name.as_deref() == Some(fallback)) {
+        Some(entry) => resolve_model(&entry.source),
+        None => resolve_model(fallback),
+    }
+}
+
+/// The CPU workers started so far, by the model they run: a model whose CPU path runs one of
+/// them shares it (one process, one queue, its weights in RAM once).
+#[derive(Default)]
+struct CpuWorkers(Vec<(PathBuf, headroom_router::SharedCpu, String)>);
+
+impl CpuWorkers {
+    fn key(dir: &Path) -> PathBuf {
+        dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf())
+    }
+
+    /// The CPU worker already running `dir`, and the model that started it.
+    fn running(&self, dir: &Path) -> Option<(headroom_router::SharedCpu, String)> {
+        let key = Self::key(dir);
+        self.0.iter().find(|(k, _, _)| *k == key).map(|(_, cpu, owner)| (cpu.clone(), owner.clone()))
+    }
+
+    fn add(&mut self, dir: &Path, cpu: headroom_router::SharedCpu, owner: &str) {
+        self.0.push((Self::key(dir), cpu, owner.to_string()));
     }
 }
 
@@ -187,6 +217,22 @@ fn ollama_host(value: &str) -> std::result::Result<(Option<String>, u16), String
 mod tests {
     use super::*;
     use clap::Parser;
+
+    #[test]
+    fn a_fallback_names_another_entry_or_a_model_and_models_on_one_cpu_model_share_its_worker() {
+        let text = "[[models]]\nsource = \"kjv-demo\"\nname = \"small\"\n\n[[models]]\nsource = \"default\"\nfallback = \"small\"\n";
+        let entries = model_entries(&["default".into()], text).unwrap();
+        let by_name = resolve_fallback(entries[1].fallback.as_deref().unwrap(), &entries);
+        assert_eq!(by_name, resolve_model("kjv-demo"), "`small` is the first entry's source");
+        assert_eq!(resolve_fallback("kjv-demo", &entries), resolve_model("kjv-demo"), "a models-folder name as before");
+        let cpu = headroom_router::SharedCpu::for_test(&by_name);
+        let mut workers = CpuWorkers::default();
+        workers.add(&resolve_model("kjv-demo"), cpu, "small");
+        // The same folder by another spelling is the same CPU model.
+        let spelled = resolve_model("kjv-demo").join("..").join("kjv-demo");
+        assert_eq!(workers.running(&spelled).map(|(_, owner)| owner).as_deref(), Some("small"));
+        assert!(workers.running(&resolve_model("default")).is_none());
+    }
 
     #[test]
     fn models_take_a_name_and_their_layer_count() {
@@ -495,7 +541,7 @@ pub async fn run(
     // The settings say which fallback model runs, so that a later change of another setting
     // restarts the CPU worker with it (the first model's `fallback` of [[models]] included).
     if settings.fallback_model.is_none() {
-        settings.fallback_model = primary.fallback.as_deref().map(resolve_model);
+        settings.fallback_model = primary.fallback.as_deref().map(|f| resolve_fallback(f, &entries));
     }
     if let Some(dir) = &settings.fallback_model {
         headroom_router::settings::refuse_encoder_fallback(dir).map_err(anyhow::Error::msg)?;
@@ -579,6 +625,8 @@ pub async fn run(
         if entries.len() > 1 {
             dispatcher.share_gpu(&share, &model_id, primary.pin);
         }
+        let mut cpu_workers = CpuWorkers::default();
+        cpu_workers.add(settings.fallback_model.as_deref().unwrap_or(&model_dir), supervisor.shared_cpu(), &model_id);
         for entry in &entries[1..] {
             let dir = resolve_model(&entry.source);
             let other = ModelBundle::open(&dir).with_context(|| format!("cannot open the model {} ({}) of [[models]]", entry.source, dir.display()))?;
@@ -592,7 +640,7 @@ pub async fn run(
             let own_file = SettingsFile { path: data_dir.join(format!("settings-{id}.json")) };
             let saved = own_file.load().map_err(anyhow::Error::msg)?;
             let own_settings = Settings {
-                fallback_model: saved.as_ref().and_then(|s| s.fallback_model.clone()).or_else(|| entry.fallback.as_deref().map(resolve_model)),
+                fallback_model: saved.as_ref().and_then(|s| s.fallback_model.clone()).or_else(|| entry.fallback.as_deref().map(|f| resolve_fallback(f, &entries))),
                 gpu_layers: saved.as_ref().and_then(|s| s.gpu_layers),
                 ..settings.clone()
             };
@@ -611,8 +659,19 @@ pub async fn run(
             config.keep_alive = entry.keep_alive.unwrap_or(memory.keep_alive);
             config.gpu_at_start = entry.pin;
             config.cpu_fallback_model_dir = own_settings.fallback_model.clone();
-            eprintln!("headroom: starting workers for {} ({}, {}{})", id, other.short_hash(), role.as_str(), if entry.pin { ", pinned" } else { "" });
+            let cpu_dir = own_settings.fallback_model.clone().unwrap_or_else(|| dir.clone());
+            let shared = cpu_workers.running(&cpu_dir);
+            let cpu_line = match &shared {
+                Some((_, owner)) => format!("; its CPU path runs on {owner}'s CPU worker ({})", cpu_dir.display()),
+                None => String::new(),
+            };
+            let borrowed = shared.is_some();
+            config.cpu_share = shared.map(|(cpu, _)| cpu);
+            eprintln!("headroom: starting workers for {} ({}, {}{}{cpu_line})", id, other.short_hash(), role.as_str(), if entry.pin { ", pinned" } else { "" });
             let other_supervisor = Supervisor::start(config).await.with_context(|| format!("cannot start the workers of {id}"))?;
+            if !borrowed {
+                cpu_workers.add(&cpu_dir, other_supervisor.shared_cpu(), &id);
+            }
             let (planner, _) = headroom_memory::planner_for(&other, backend, memory.clone());
             let journal = Journal::open(&data_dir.join(format!("journal-{id}.sqlite")))?;
             // Service-wide settings changed in the UI reach every model through the server;

@@ -85,7 +85,9 @@ impl Dispatcher {
         (bytes <= budget.available_bytes()).then(|| self.inner.gpu_ledger.try_reserve(id, bytes).ok()).flatten()
     }
 
-    pub(super) fn host_budget(&self) -> Budget {
+    /// The host RAM budget admission uses for the CPU path (its `weights_bytes` count every
+    /// worker's host RAM once, a CPU worker shared by several models included).
+    pub fn host_budget(&self) -> Budget {
         let ledger = self.inner.host_ledger();
         let host = headroom_memory::observe::host_memory();
         // The ledger's capacity already leaves the reserve out; the budget names the reserve
@@ -93,11 +95,14 @@ impl Dispatcher {
         let reserve = host.map(|h| self.inner.memory.host_reserve_bytes(h.total_bytes)).unwrap_or(0);
         // With several models, the others' workers hold theirs on the same host; the ledger
         // (shared) has every model's grants.
-        let others: u64 = if self.host_share_ignored() { 0 } else { self.others().iter().map(|(o, _)| o.host_weights_bytes()).sum() };
+        let mut models = vec![self.inner.clone()];
+        if !self.host_share_ignored() {
+            models.extend(self.others().into_iter().map(|(o, _)| o));
+        }
         Budget {
             total_bytes: ledger.capacity_bytes() + reserve,
             reserve_bytes: reserve,
-            weights_bytes: self.inner.host_weights_bytes() + others,
+            weights_bytes: share::host_weights_bytes(&models, self.has_defect(Defect::SharedCpuCountedTwice)),
             held_bytes: ledger.held_bytes(),
             observed_free_bytes: host.map(|h| h.available_bytes),
         }

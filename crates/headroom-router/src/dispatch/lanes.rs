@@ -42,8 +42,9 @@ pub(super) fn ewma(current: Option<f64>, sample: f64) -> Option<f64> {
 
 /// One device's queue: a bounded number waiting, the worker's concurrency running. The slots
 /// are taken first come, first served (tokio's semaphore is fair), whether a request was
-/// admitted here or failed over from the GPU.
-pub(super) struct LaneQueue {
+/// admitted here or failed over from the GPU. A CPU worker shared by several models has one
+/// queue for all of them (see [`crate::SharedCpu`]).
+pub(crate) struct LaneQueue {
     pub(super) lane: Lane,
     pub(super) slots: Semaphore,
     pub(super) waiting: AtomicUsize,
@@ -51,8 +52,9 @@ pub(super) struct LaneQueue {
     /// Requests admitted here may join while fewer than this wait.
     pub(super) capacity: usize,
     /// Places kept beyond `capacity` for requests failing over from the GPU: as many as the GPU
-    /// lane can hold (queued and running), so a GPU failure never finds this queue full.
-    pub(super) failover_room: usize,
+    /// lanes failing over into it can hold (queued and running), so a GPU failure never finds
+    /// this queue full.
+    pub(super) failover_room: AtomicUsize,
     /// Slots of `slots`; settings may change it (see [`Lane::resize`]).
     pub(super) concurrency: AtomicUsize,
     pub(super) rates: Mutex<Rates>,
@@ -76,7 +78,7 @@ impl LaneQueue {
             waiting: AtomicUsize::new(0),
             running: AtomicUsize::new(0),
             capacity,
-            failover_room,
+            failover_room: AtomicUsize::new(failover_room),
             concurrency: AtomicUsize::new(concurrency.max(1)),
             rates: Mutex::new(Rates::default()),
             work_ahead: Mutex::new(WorkAhead::default()),
@@ -162,7 +164,7 @@ impl LaneQueue {
             waiting: self.waiting.load(Ordering::Relaxed),
             running: self.running.load(Ordering::Relaxed),
             capacity: self.capacity,
-            failover_room: self.failover_room,
+            failover_room: self.failover_room.load(Ordering::Relaxed),
             concurrency: self.concurrency.load(Ordering::Relaxed),
             oldest_wait_ms: self.oldest_wait_ms(),
             estimated_delay_ms: self.estimated_delay_ms(),

@@ -40,7 +40,7 @@ mod status;
 mod ticket;
 
 use budgets::GpuWait;
-use lanes::LaneQueue;
+pub(crate) use lanes::LaneQueue;
 pub use lanes::{QueueConfig, QueueStatus};
 use recovery::journal_failure;
 use request::Start;
@@ -110,6 +110,8 @@ pub enum Defect {
     /// On a shared GPU, a model whose worker is restarting (after a failure, or when the GPU
     /// resumes) counts nothing, so another model loads meanwhile and ends beside it.
     RestartingModelUncounted,
+    /// A CPU worker shared by several models counts its host RAM once per model.
+    SharedCpuCountedTwice,
 }
 
 /// A request that has been launched and has not ended.
@@ -167,13 +169,17 @@ impl Dispatcher {
         // Every request the GPU lane holds, queued or running, must fit in the CPU queue if the
         // GPU fails.
         let gpu_room = if config.gpu.is_some() { queues.gpu_queue_capacity + gpu_concurrency } else { 0 };
+        // A CPU worker shared with other models has one queue: the first model's, with room
+        // for every model's GPU lane.
+        let cpu = supervisor.shared_cpu().lane(|| Arc::new(LaneQueue::new(Lane::Cpu, queues.cpu_queue_capacity, 0, cpu_concurrency)));
+        cpu.failover_room.fetch_add(gpu_room, Ordering::SeqCst);
         let host_total = headroom_memory::observe::host_memory().map(|h| h.total_bytes).unwrap_or(0);
         let inner = Arc::new(Inner {
             supervisor,
             journal,
             planner,
             gpu: LaneQueue::new(Lane::Gpu, queues.gpu_queue_capacity, 0, gpu_concurrency),
-            cpu: Arc::new(LaneQueue::new(Lane::Cpu, queues.cpu_queue_capacity, gpu_room, cpu_concurrency)),
+            cpu,
             settings: Mutex::new(settings),
             settings_file,
             updating_settings: tokio::sync::Mutex::new(()),

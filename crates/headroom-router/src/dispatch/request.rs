@@ -267,7 +267,7 @@ impl Dispatcher {
     pub(super) async fn join_cpu_after_gpu(&self, id: &str, shape: RequestShape, cancel: &CancelSignal, events: &mpsc::UnboundedSender<StreamEvent>, why: &str) -> Result<Reservation, Ended> {
         let lane = &*self.inner.cpu;
         let ahead = lane.waiting.fetch_add(1, Ordering::SeqCst) + lane.running.load(Ordering::SeqCst);
-        if lane.waiting.load(Ordering::SeqCst) > lane.capacity + lane.failover_room {
+        if lane.waiting.load(Ordering::SeqCst) > lane.capacity + lane.failover_room.load(Ordering::SeqCst) {
             tracing::error!(request_id = id, "the CPU queue holds more than its capacity and failover room; the GPU lane outgrew its bound");
         }
         lane.join(id, shape.prompt_tokens, shape.max_tokens);

@@ -51,10 +51,11 @@ impl Dispatcher {
         setup.options.max_concurrency = next.cpu_max_concurrency;
         setup.options.max_context_tokens = Some(next.cpu_max_context_tokens);
         setup.fallback_model_dir = next.fallback_model.clone();
-        supervisor
-            .replace_cpu_worker(setup)
-            .await
-            .map_err(|e| SettingsError::NotApplied(format!("the CPU worker could not start with these settings, so nothing changed: {e}")))?;
+        supervisor.replace_cpu_worker(setup).await.map_err(|e| match e {
+            // A CPU worker shared with other models runs their model for them too.
+            Error::Invalid(why) => SettingsError::Invalid(format!("nothing changed: {why}")),
+            e => SettingsError::NotApplied(format!("the CPU worker could not start with these settings, so nothing changed: {e}")),
+        })?;
         self.inner.cpu.resize(next.cpu_max_concurrency as usize);
         self.queue_changed(&self.inner.cpu);
         supervisor.set_gpu_paused(next.gpu_paused);

@@ -153,19 +153,34 @@ impl Dispatcher {
     }
 }
 
+/// Host RAM the workers of `models` hold beside requests: each CPU worker's weights as it
+/// reports holding them (packed GGUF tensors stay packed) and its prefix cache (blocks of
+/// finished requests, at most its configured size), and each split GPU worker's CPU part. A
+/// CPU worker several models share counts once (`counted_twice`: test-only, the defect).
+pub(super) fn host_weights_bytes(models: &[Arc<Inner>], counted_twice: bool) -> u64 {
+    let mut cpu_workers: Vec<Arc<crate::Worker>> = Vec::new();
+    let mut bytes = 0;
+    for model in models {
+        bytes += model.split_host_bytes();
+        let Some(cpu) = model.supervisor.cpu_worker() else { continue };
+        if !counted_twice && cpu_workers.iter().any(|w| Arc::ptr_eq(w, &cpu)) {
+            continue;
+        }
+        bytes += cpu.memory().borrow().as_ref().map_or(0, |r| r.weights_bytes + r.prefix_cache.map_or(0, |p| p.bytes));
+        cpu_workers.push(cpu);
+    }
+    bytes
+}
+
 impl Inner {
     /// The host RAM ledger this model's CPU-path requests reserve from.
     pub(super) fn host_ledger(&self) -> Ledger {
         self.host_ledger.read().unwrap().clone()
     }
 
-    /// Host RAM the model's workers hold beside requests: the CPU worker's weights as it
-    /// reports holding them (packed GGUF tensors stay packed) and its prefix cache (blocks of
-    /// finished requests, at most its configured size), and a split GPU worker's CPU part.
-    pub(super) fn host_weights_bytes(&self) -> u64 {
-        let cpu = self.supervisor.cpu_worker().and_then(|w| w.memory().borrow().as_ref().map(|r| r.weights_bytes + r.prefix_cache.map_or(0, |p| p.bytes))).unwrap_or(0);
-        let split = self.supervisor.gpu_worker().and_then(|w| w.memory().borrow().as_ref().map(|r| r.host_weights_bytes)).unwrap_or(0);
-        cpu + split
+    /// Host RAM a split GPU worker holds for the layers it runs on the CPU.
+    fn split_host_bytes(&self) -> u64 {
+        self.supervisor.gpu_worker().and_then(|w| w.memory().borrow().as_ref().map(|r| r.host_weights_bytes)).unwrap_or(0)
     }
 
     /// The model's weights on its GPU and what its requests were granted there, now: nothing

@@ -173,7 +173,8 @@ impl Supervisor {
         self.clear_gpu(worker);
     }
 
-    /// The CPU worker is the fallback: if it dies it is restarted at once (no breaker).
+    /// The CPU worker is the fallback: if it dies it is restarted at once (no breaker). Run by
+    /// the supervisor that owns it, for every model sharing it.
     pub(super) async fn watch_cpu(self) {
         let mut attempt = 0u32;
         loop {
@@ -183,7 +184,7 @@ impl Supervisor {
                 match self.inner.config.launcher.launch(&self.cpu_spec()).await {
                     Ok(w) => {
                         self.announce(&w);
-                        *self.inner.cpu.write().unwrap() = Some(w);
+                        *self.inner.cpu.inner.worker.write().unwrap() = Some(w);
                         attempt = 0;
                     }
                     Err(e) => tracing::error!(error = %e, "CPU worker restart failed"),
@@ -195,7 +196,7 @@ impl Supervisor {
                 return;
             }
             self.emit(EventKind::WorkerExited { device: worker.device, pid: worker.pid, status: info.status });
-            let mut slot = self.inner.cpu.write().unwrap();
+            let mut slot = self.inner.cpu.inner.worker.write().unwrap();
             if slot.as_ref().is_some_and(|w| Arc::ptr_eq(w, &worker)) {
                 *slot = None;
             }

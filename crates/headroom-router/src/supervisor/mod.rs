@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::broadcast;
 
 use crate::breaker::{Breaker, BreakerConfig, BreakerState, BreakerTransition, FailureCause};
+use crate::cpu_share::{CpuRun, SharedCpu};
 use crate::events::{EventKind, ServiceEvent};
 use crate::worker::{ProcessLauncher, Worker, WorkerLauncher, WorkerSpec};
 use crate::{Error, Result};
@@ -106,6 +107,10 @@ pub struct SupervisorConfig {
     /// Load the model on the GPU at start (true) or at its first GPU request (false: a model
     /// that shares the GPU with others and is not pinned).
     pub gpu_at_start: bool,
+    /// Another model's CPU worker to use instead of starting one: it must run the folder this
+    /// model's CPU path runs (`cpu_fallback_model_dir`, else `model_dir`) with the same options.
+    /// That model's supervisor keeps it warm (see [`SharedCpu`]).
+    pub cpu_share: Option<SharedCpu>,
 }
 
 /// The VRAM a GPU worker about to launch can have: the device's capacity, and what is free of
@@ -167,23 +172,32 @@ impl SupervisorConfig {
             replan: None,
             keep_alive: headroom_memory::KeepAlive::Forever,
             gpu_at_start: true,
+            cpu_share: None,
         }
+    }
+
+    /// What this model's CPU worker runs with `setup`: its options and the fallback model's
+    /// folder, else the served model's.
+    fn cpu_run(&self, setup: &CpuSetup) -> CpuRun {
+        CpuRun { options: setup.options.clone(), model_dir: setup.fallback_model_dir.clone().unwrap_or_else(|| self.model_dir.clone()) }
     }
 }
 
 struct Inner {
     config: SupervisorConfig,
     gpu: RwLock<Option<Arc<Worker>>>,
-    cpu: RwLock<Option<Arc<Worker>>>,
+    /// The CPU worker: this model's own, or one it shares with others (see [`SharedCpu`]).
+    cpu: SharedCpu,
+    /// Whether this supervisor started the CPU worker (and restarts and stops it).
+    owns_cpu: bool,
     breaker: Mutex<Breaker>,
     events: broadcast::Sender<ServiceEvent>,
     /// Faults that model the environment (a competing program, a slow card) outlive restarts.
     sim_environment: Mutex<Vec<Fault>>,
     shutting_down: std::sync::atomic::AtomicBool,
-    /// The CPU worker's options and model now (the config holds those it started with).
+    /// The CPU worker's options and model now, as this model asks for them (the config holds
+    /// those it started with).
     cpu_setup: RwLock<CpuSetup>,
-    /// One CPU worker replacement at a time.
-    replacing_cpu: tokio::sync::Mutex<()>,
     /// The GPU paused from settings: nothing new goes to it, and its worker exits once idle.
     gpu_paused: tokio::sync::watch::Sender<bool>,
     /// The layer placement the GPU worker was last launched with (or waits for).
@@ -290,10 +304,27 @@ impl Supervisor {
     /// service degraded, not down.
     pub async fn start(config: SupervisorConfig) -> Result<Supervisor> {
         let (events, _) = broadcast::channel(1024);
+        let setup = CpuSetup { options: config.cpu.clone(), fallback_model_dir: config.cpu_fallback_model_dir.clone() };
+        let run = config.cpu_run(&setup);
+        let (cpu, owns_cpu) = match &config.cpu_share {
+            Some(shared) if shared.running() != run => {
+                return Err(Error::Invalid(format!(
+                    "the CPU worker to share runs {} with other options than this model's CPU path ({}); models share a CPU worker only when they run the same model with the same CPU settings",
+                    shared.model_dir().display(),
+                    run.model_dir.display()
+                )))
+            }
+            Some(shared) => {
+                shared.join();
+                (shared.clone(), false)
+            }
+            None => (SharedCpu::new(run), true),
+        };
         let inner = Arc::new(Inner {
             breaker: Mutex::new(Breaker::new(config.supervision.breaker.clone())),
-            cpu_setup: RwLock::new(CpuSetup { options: config.cpu.clone(), fallback_model_dir: config.cpu_fallback_model_dir.clone() }),
-            replacing_cpu: tokio::sync::Mutex::new(()),
+            cpu_setup: RwLock::new(setup),
+            cpu,
+            owns_cpu,
             gpu_paused: tokio::sync::watch::channel(config.gpu_paused).0,
             placement: RwLock::new(config.placement.clone()),
             fallback_bundle: Mutex::new(None),
@@ -303,27 +334,38 @@ impl Supervisor {
             residency: Mutex::new(Residency { keep_alive: config.keep_alive, last_used: Instant::now(), loading: false, ever_used: false, last_load_ms: 0.0, last_reading: None }),
             config,
             gpu: RwLock::new(None),
-            cpu: RwLock::new(None),
             events,
             sim_environment: Mutex::new(Vec::new()),
             shutting_down: false.into(),
         });
         let supervisor = Supervisor { inner };
-        let cpu_spec = supervisor.cpu_spec();
         // A paused GPU's worker starts when it is unpaused.
         let gpu_spec = supervisor.gpu_spec().filter(|_| !supervisor.gpu_paused() && !supervisor.gpu_unloaded());
-        let (cpu, gpu) = tokio::join!(supervisor.inner.config.launcher.launch(&cpu_spec), async {
-            match &gpu_spec {
-                Some(spec) => Some(supervisor.inner.config.launcher.launch(spec).await),
-                None => None,
+        let owns_cpu = supervisor.inner.owns_cpu;
+        let (cpu, gpu) = tokio::join!(
+            async {
+                if owns_cpu {
+                    supervisor.inner.config.launcher.launch(&supervisor.cpu_spec()).await.map(Some)
+                } else {
+                    // Borrowed: its owner started it (and restarts it while it is down).
+                    Ok(supervisor.cpu_worker())
+                }
+            },
+            async {
+                match &gpu_spec {
+                    Some(spec) => Some(supervisor.inner.config.launcher.launch(spec).await),
+                    None => None,
+                }
             }
-        });
+        );
         let cpu = cpu?;
-        supervisor.announce(&cpu);
-        *supervisor.inner.cpu.write().unwrap() = Some(cpu.clone());
+        if let Some(cpu) = cpu.as_ref().filter(|_| owns_cpu) {
+            supervisor.announce(cpu);
+            *supervisor.inner.cpu.inner.worker.write().unwrap() = Some(cpu.clone());
+        }
         match gpu {
             Some(Ok(gpu)) => {
-                if supervisor.cpu_setup().fallback_model_dir.is_none() && gpu.ready.bundle_hash != cpu.ready.bundle_hash {
+                if let Some(cpu) = cpu.as_ref().filter(|c| supervisor.cpu_setup().fallback_model_dir.is_none() && gpu.ready.bundle_hash != c.ready.bundle_hash) {
                     return Err(Error::Worker(format!(
                         "the GPU and CPU workers loaded different models ({} vs {}); point both at one folder or configure a fallback model",
                         &gpu.ready.bundle_hash[..12.min(gpu.ready.bundle_hash.len())],
@@ -342,23 +384,27 @@ impl Supervisor {
         if supervisor.inner.config.gpu.is_some() {
             tokio::spawn(supervisor.clone().watch_gpu());
         }
-        tokio::spawn(supervisor.clone().watch_cpu());
+        if owns_cpu {
+            tokio::spawn(supervisor.clone().watch_cpu());
+        }
         Ok(supervisor)
     }
 
+    /// The CPU worker's launch: what it runs now (a settings change of any model sharing it
+    /// may have replaced it).
     fn cpu_spec(&self) -> WorkerSpec {
-        self.cpu_spec_for(&self.cpu_setup())
+        self.cpu_spec_for(self.inner.cpu.running())
     }
 
-    fn cpu_spec_for(&self, setup: &CpuSetup) -> WorkerSpec {
+    fn cpu_spec_for(&self, run: CpuRun) -> WorkerSpec {
         let c = &self.inner.config;
-        WorkerSpec {
-            program: c.program.clone(),
-            options: setup.options.clone(),
-            model_dir: setup.fallback_model_dir.clone().unwrap_or_else(|| c.model_dir.clone()),
-            load_timeout: Duration::from_millis(c.supervision.load_timeout_ms),
-            env: c.worker_env.clone(),
-        }
+        WorkerSpec { program: c.program.clone(), options: run.options, model_dir: run.model_dir, load_timeout: Duration::from_millis(c.supervision.load_timeout_ms), env: c.worker_env.clone() }
+    }
+
+    /// The CPU worker this model uses, shared or its own: another model's supervisor borrows it
+    /// with [`SupervisorConfig::cpu_share`].
+    pub fn shared_cpu(&self) -> SharedCpu {
+        self.inner.cpu.clone()
     }
 
     /// The CPU worker's options and model now.
@@ -369,12 +415,31 @@ impl Supervisor {
     /// Replaces the CPU worker with one started from `setup`, without a gap: the new worker
     /// loads beside the old one, takes new requests once ready, and the old one exits when its
     /// running requests have finished. If the new one fails to start, the old one stays.
+    ///
+    /// A CPU worker shared with other models is replaced for all of them (a service-wide
+    /// setting: each model asks for the same, and the first to ask starts it); a change of the
+    /// model it runs, which only this model asked for, is refused (`Error::Invalid`).
     pub async fn replace_cpu_worker(&self, setup: CpuSetup) -> Result<()> {
-        let _one_at_a_time = self.inner.replacing_cpu.lock().await;
+        let shared = &self.inner.cpu;
+        let _one_at_a_time = shared.inner.replacing.lock().await;
         if setup == self.cpu_setup() {
             return Ok(());
         }
-        let new = self.inner.config.launcher.launch(&self.cpu_spec_for(&setup)).await?;
+        let run = self.inner.config.cpu_run(&setup);
+        let running = shared.running();
+        if run == running {
+            // Another model sharing the worker asked for the same first.
+            *self.inner.cpu_setup.write().unwrap() = setup;
+            return Ok(());
+        }
+        if run.model_dir != running.model_dir && shared.users() > 1 {
+            return Err(Error::Invalid(format!(
+                "this model's CPU worker runs {} for {} models, which share it; to give this model another CPU model, set `fallback` in its [[models]] entry of the config file and restart",
+                running.model_dir.display(),
+                shared.users()
+            )));
+        }
+        let new = self.inner.config.launcher.launch(&self.cpu_spec_for(run.clone())).await?;
         if setup.fallback_model_dir.is_none() {
             // Without a fallback model both workers must hold the served model.
             if let Some(gpu) = self.gpu_worker().filter(|g| g.ready.bundle_hash != new.ready.bundle_hash) {
@@ -383,8 +448,9 @@ impl Supervisor {
             }
         }
         *self.inner.cpu_setup.write().unwrap() = setup;
+        *shared.inner.running.write().unwrap() = run;
         self.announce(&new);
-        let old = self.inner.cpu.write().unwrap().replace(new);
+        let old = shared.inner.worker.write().unwrap().replace(new);
         if let Some(old) = old {
             tokio::spawn(retire_when_idle(old));
         }
@@ -663,7 +729,7 @@ impl Supervisor {
             gpu_paused: self.inner.config.gpu.is_some() && self.gpu_paused(),
             gpu_unloaded: self.inner.config.gpu.is_some() && self.gpu_loads_on_demand(),
             gpu: self.inner.gpu.read().unwrap().as_deref().map(status_of),
-            cpu: self.inner.cpu.read().unwrap().as_deref().map(status_of),
+            cpu: self.cpu_worker().as_deref().map(status_of),
         }
     }
 
@@ -718,7 +784,7 @@ impl Supervisor {
     }
 
     pub fn cpu_worker(&self) -> Option<Arc<Worker>> {
-        self.inner.cpu.read().unwrap().clone()
+        self.inner.cpu.worker()
     }
 
     /// Injects a fault into the sim GPU worker. Environment faults (competing workload,
@@ -754,10 +820,11 @@ impl Supervisor {
         }
     }
 
-    /// Stops both workers.
+    /// Stops both workers (a CPU worker borrowed from another model is that model's to stop).
     pub async fn shutdown(&self) {
         self.inner.shutting_down.store(true, std::sync::atomic::Ordering::SeqCst);
-        for worker in [self.gpu_worker(), self.cpu_worker()].into_iter().flatten() {
+        let cpu = self.cpu_worker().filter(|_| self.inner.owns_cpu);
+        for worker in [self.gpu_worker(), cpu].into_iter().flatten() {
             worker.shutdown().await;
             worker.kill();
         }
