@@ -35,7 +35,7 @@ pub const KERNELS: Kernels = Kernels {
     k_tile: Some(super::tile::avx2::kernel),
     tile32: Some(super::tile::avx2_32::kernel32),
     float_tile: Some((super::tile::avx2_float::unpack, super::tile::avx2_float::kernel)),
-    interleaved32: None,
+    interleaved32: Some(super::interleave::avx2::kernel),
 };
 
 /// Runs `kernel` with the row count as a compile-time constant (1 to 4).

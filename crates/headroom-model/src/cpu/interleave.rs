@@ -1,7 +1,7 @@
 //! Q4_0, Q4_1 and Q8_0 weights repacked at load into groups of 16 rows whose vector lanes are the
 //! rows (llama.cpp's CPU "repack" does the same for its x86 kernels), so that one product kernel
 //! serves every token count — a lone decode step, a batch of sequences' steps, a prefill — with
-//! the same arithmetic for each token.
+//! the same arithmetic for each token. Kernels: AVX-512 VNNI (below) and AVX2 (`avx2`).
 //!
 //! The row kernels of [`super::dot`] spend per 32-weight block and token a float scale, a
 //! conversion and a fused multiply-add on one row, and sum across lanes at the end; unpacking is
@@ -281,6 +281,134 @@ pub(super) mod vnni {
     }
 }
 
+/// The kernel with AVX2 (x86-64 since Haswell): each group's 16 rows as two halves of 8 lanes.
+/// Without `vpdpbusd`, `maddubs` multiplies byte pairs into 16-bit sums and `madd` adds those
+/// into 32-bit ones: exact, as no 16-bit sum can overflow (a 4-bit quant's 8 pair sums reach
+/// 8 · 2 · 15 · 127 = 30480; a Q8_0 weight goes in as its magnitude with its sign moved to the
+/// activation, 2 · 128 · 127 = 32512 per pair, widened at once). The integer per block and row
+/// is the scalar reference's, and so are the float steps.
+#[cfg(target_arch = "x86_64")]
+pub(super) mod avx2 {
+    #![allow(unsafe_op_in_unsafe_fn)]
+    use std::arch::x86_64::*;
+
+    use super::*;
+
+    pub fn kernel(ty: GgmlType, records: &[u8], a: &[&[Q8x32]], out: &mut [[f32; GROUP]; TOKENS]) {
+        let rec = record_bytes(ty).expect("a 32-value type");
+        let blocks = records.len() / rec;
+        assert_eq!(records.len(), blocks * rec);
+        for a in a {
+            assert!(a.len() >= blocks);
+        }
+        let layout = (rec, quants_at(ty), match combine32(ty) {
+            Some(Combine32::Offset(offset)) => offset,
+            _ => 0,
+        });
+        macro_rules! by_type {
+            ($t:literal) => {
+                for half in 0..2 {
+                    match ty {
+                        GgmlType::Q4_0 => tokens::<$t, 0>(records.as_ptr(), blocks, layout, half, a, out),
+                        GgmlType::Q4_1 => tokens::<$t, 1>(records.as_ptr(), blocks, layout, half, a, out),
+                        _ => tokens::<$t, 2>(records.as_ptr(), blocks, layout, half, a, out),
+                    }
+                }
+            };
+        }
+        // SAFETY: this kernel is only in the sets of processors with AVX2, FMA and F16C; every
+        // token has an activation block per record (checked above).
+        unsafe {
+            match a.len() {
+                1 => by_type!(1),
+                2 => by_type!(2),
+                3 => by_type!(3),
+                4 => by_type!(4),
+                n => panic!("1 to {TOKENS} tokens per call, not {n}"),
+            }
+        }
+    }
+
+    /// How far ahead of the record being multiplied its successors are asked for.
+    const AHEAD: usize = 8192;
+
+    /// Activations `at..at + 4` of a block in every 32-bit lane.
+    #[inline(always)]
+    unsafe fn four(a: &Q8x32, at: usize) -> __m256i {
+        _mm256_set1_epi32(std::ptr::read_unaligned(a.qs.as_ptr().add(at) as *const i32))
+    }
+
+    /// Rows `8 · half..8 · half + 8` of the group. `KIND`: 0 Q4_0, 1 Q4_1, 2 Q8_0; `(rec, q,
+    /// offset)`: the type's record bytes, where its quants start, its quants' offset.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tokens<const T: usize, const KIND: u8>(
+        records: *const u8,
+        blocks: usize,
+        (rec, q, offset): (usize, usize, i32),
+        half: usize,
+        a: &[&[Q8x32]],
+        out: &mut [[f32; GROUP]; TOKENS],
+    ) {
+        let low = _mm256_set1_epi8(0x0f);
+        let ones = _mm256_set1_epi16(1);
+        let flip = _mm256_set1_epi8(-128);
+        let mut sum = [_mm256_setzero_ps(); T];
+        // Q4_1's minimums' terms, summed apart (see `dot::scalar::q4_1`).
+        let mut mins = [_mm256_setzero_ps(); T];
+        for i in 0..blocks {
+            let o = records.add(i * rec);
+            if half == 0 {
+                // As the VNNI kernel does (the second half finds the record in cache).
+                for line in (0..rec).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(o.wrapping_add(AHEAD + line) as *const i8);
+                }
+            }
+            let ab: [&Q8x32; T] = std::array::from_fn(|t| a[t].get_unchecked(i));
+            let mut isum = [_mm256_setzero_si256(); T];
+            if KIND == 2 {
+                for g in 0..8 {
+                    // Stored + 128 for `vpdpbusd`; flipped back to signed here.
+                    let w = _mm256_xor_si256(_mm256_loadu_si256(o.add(q + 4 * GROUP * g + 32 * half) as *const __m256i), flip);
+                    let magnitude = _mm256_sign_epi8(w, w);
+                    for t in 0..T {
+                        let pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(four(ab[t], 4 * g), w));
+                        isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(pairs, ones));
+                    }
+                }
+            } else {
+                let mut nibbles = [_mm256_setzero_si256(); 8];
+                for h in 0..4 {
+                    let v = _mm256_loadu_si256(o.add(q + 4 * GROUP * h + 32 * half) as *const __m256i);
+                    nibbles[2 * h] = _mm256_and_si256(v, low);
+                    nibbles[2 * h + 1] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+                }
+                for t in 0..T {
+                    let mut pairs = _mm256_setzero_si256();
+                    for h in 0..4 {
+                        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(nibbles[2 * h], four(ab[t], 4 * h)));
+                        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(nibbles[2 * h + 1], four(ab[t], 16 + 4 * h)));
+                    }
+                    // The quants' offset times the activations' sum (Q4_1 has none).
+                    isum[t] = _mm256_sub_epi32(_mm256_madd_epi16(pairs, ones), _mm256_set1_epi32(offset * ab[t].sum));
+                }
+            }
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(o.add(16 * half) as *const __m128i));
+            // The scalar reference's float steps, lane by lane (no fused multiply-adds).
+            for t in 0..T {
+                let scale = _mm256_mul_ps(d, _mm256_set1_ps(ab[t].d));
+                if KIND == 1 {
+                    let m = _mm256_cvtph_ps(_mm_loadu_si128(o.add(2 * GROUP + 16 * half) as *const __m128i));
+                    mins[t] = _mm256_add_ps(mins[t], _mm256_mul_ps(m, _mm256_set1_ps(ab[t].s)));
+                }
+                sum[t] = _mm256_add_ps(sum[t], _mm256_mul_ps(scale, _mm256_cvtepi32_ps(isum[t])));
+            }
+        }
+        for t in 0..T {
+            _mm256_storeu_ps(out[t].as_mut_ptr().add(8 * half), _mm256_add_ps(sum[t], mins[t]));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -332,9 +460,8 @@ mod tests {
             for tokens in 1..=TOKENS {
                 let a: Vec<&[Q8x32]> = q[..tokens].iter().map(Vec::as_slice).collect();
                 let mut kernels: Vec<(&str, InterleavedKernel)> = vec![("scalar", |ty, rec, a, out| scalar(ty, rec, a, out, false))];
-                if let Some(k) = Kernels::detect().interleaved32 {
-                    kernels.push((Kernels::detect().name, k));
-                }
+                // Every set this processor runs (an AVX-512 one runs the AVX2 kernel too).
+                kernels.extend(Kernels::available().iter().filter_map(|k| k.interleaved32.map(|kernel| (k.name, kernel))));
                 for (name, kernel) in kernels {
                     let mut out = [[0f32; GROUP]; TOKENS];
                     kernel(ty, &records, &a, &mut out);

@@ -7,7 +7,7 @@
 //! - `avx512`: the AVX-512 and VNNI kernels on AVX2's frame (Ice Lake, Sapphire Rapids, Zen 4);
 //! - [`tile`]: the K-quants' prefill products over rows unpacked once per product;
 //! - [`interleave`]: Q4_0, Q4_1 and Q8_0 repacked into groups of 16 rows at load, one kernel for
-//!   every token count (AVX-512 VNNI);
+//!   every token count (AVX2, AVX-512 VNNI);
 //! - [`matrix`]: packed matrices and their threaded products (decode rows and prefill tiles);
 //! - [`team`]: the pool's threads held together for a forward pass (one wake-up, not one per
 //!   product);
