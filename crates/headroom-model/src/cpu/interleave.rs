@@ -166,6 +166,46 @@ pub fn scalar(ty: GgmlType, records: &[u8], a: &[&[Q8x32]], out: &mut [[f32; GRO
     }
 }
 
+/// A SIMD kernel's call checked: every token has an activation block per record. Gives the
+/// records' count and the type's `(record bytes, where its quants start, its quants' offset)`.
+#[cfg(target_arch = "x86_64")]
+fn checked_layout(ty: GgmlType, records: &[u8], a: &[&[Q8x32]]) -> (usize, (usize, usize, i32)) {
+    let rec = record_bytes(ty).expect("a 32-value type");
+    let blocks = records.len() / rec;
+    assert_eq!(records.len(), blocks * rec);
+    assert!((1..=TOKENS).contains(&a.len()), "1 to {TOKENS} tokens per call, not {}", a.len());
+    for a in a {
+        assert!(a.len() >= blocks);
+    }
+    let offset = match combine32(ty) {
+        Some(Combine32::Offset(offset)) => offset,
+        _ => 0,
+    };
+    (blocks, (rec, quants_at(ty), offset))
+}
+
+/// Calls `$kernel::<T, KIND>(args)` with the token count `T` (1 to 4) and the type's `KIND` (0
+/// Q4_0, 1 Q4_1, 2 Q8_0) as constants.
+#[cfg(target_arch = "x86_64")]
+macro_rules! monomorphized {
+    ($kernel:ident, $ty:expr, $tokens:expr, ($($arg:expr),*)) => {
+        match ($tokens, $ty) {
+            (1, GgmlType::Q4_0) => $kernel::<1, 0>($($arg),*),
+            (1, GgmlType::Q4_1) => $kernel::<1, 1>($($arg),*),
+            (1, _) => $kernel::<1, 2>($($arg),*),
+            (2, GgmlType::Q4_0) => $kernel::<2, 0>($($arg),*),
+            (2, GgmlType::Q4_1) => $kernel::<2, 1>($($arg),*),
+            (2, _) => $kernel::<2, 2>($($arg),*),
+            (3, GgmlType::Q4_0) => $kernel::<3, 0>($($arg),*),
+            (3, GgmlType::Q4_1) => $kernel::<3, 1>($($arg),*),
+            (3, _) => $kernel::<3, 2>($($arg),*),
+            (_, GgmlType::Q4_0) => $kernel::<4, 0>($($arg),*),
+            (_, GgmlType::Q4_1) => $kernel::<4, 1>($($arg),*),
+            (_, _) => $kernel::<4, 2>($($arg),*),
+        }
+    };
+}
+
 /// The kernel with AVX-512 VNNI (`vpdpbusd` on 512-bit vectors, a lane per row of the group).
 #[cfg(target_arch = "x86_64")]
 pub(super) mod vnni {
@@ -175,36 +215,10 @@ pub(super) mod vnni {
     use super::*;
 
     pub fn kernel(ty: GgmlType, records: &[u8], a: &[&[Q8x32]], out: &mut [[f32; GROUP]; TOKENS]) {
-        let rec = record_bytes(ty).expect("a 32-value type");
-        let blocks = records.len() / rec;
-        assert_eq!(records.len(), blocks * rec);
-        for a in a {
-            assert!(a.len() >= blocks);
-        }
+        let (blocks, layout) = checked_layout(ty, records, a);
         // SAFETY: this kernel is only in the set of processors with AVX-512 VL and VNNI; every
-        // token has an activation block per record (checked above).
-        let layout = (rec, quants_at(ty), match combine32(ty) {
-            Some(Combine32::Offset(offset)) => offset,
-            _ => 0,
-        });
-        macro_rules! by_type {
-            ($t:literal) => {
-                match ty {
-                    GgmlType::Q4_0 => tokens::<$t, 0>(records.as_ptr(), blocks, layout, a, out),
-                    GgmlType::Q4_1 => tokens::<$t, 1>(records.as_ptr(), blocks, layout, a, out),
-                    _ => tokens::<$t, 2>(records.as_ptr(), blocks, layout, a, out),
-                }
-            };
-        }
-        unsafe {
-            match a.len() {
-                1 => by_type!(1),
-                2 => by_type!(2),
-                3 => by_type!(3),
-                4 => by_type!(4),
-                n => panic!("1 to {TOKENS} tokens per call, not {n}"),
-            }
-        }
+        // token has an activation block per record (checked).
+        unsafe { monomorphized!(tokens, ty, a.len(), (records.as_ptr(), blocks, layout, a, out)) }
     }
 
     /// How far ahead of the record being multiplied its successors are asked for.
@@ -295,37 +309,11 @@ pub(super) mod avx2 {
     use super::*;
 
     pub fn kernel(ty: GgmlType, records: &[u8], a: &[&[Q8x32]], out: &mut [[f32; GROUP]; TOKENS]) {
-        let rec = record_bytes(ty).expect("a 32-value type");
-        let blocks = records.len() / rec;
-        assert_eq!(records.len(), blocks * rec);
-        for a in a {
-            assert!(a.len() >= blocks);
-        }
-        let layout = (rec, quants_at(ty), match combine32(ty) {
-            Some(Combine32::Offset(offset)) => offset,
-            _ => 0,
-        });
-        macro_rules! by_type {
-            ($t:literal) => {
-                for half in 0..2 {
-                    match ty {
-                        GgmlType::Q4_0 => tokens::<$t, 0>(records.as_ptr(), blocks, layout, half, a, out),
-                        GgmlType::Q4_1 => tokens::<$t, 1>(records.as_ptr(), blocks, layout, half, a, out),
-                        _ => tokens::<$t, 2>(records.as_ptr(), blocks, layout, half, a, out),
-                    }
-                }
-            };
-        }
-        // SAFETY: this kernel is only in the sets of processors with AVX2, FMA and F16C; every
-        // token has an activation block per record (checked above).
-        unsafe {
-            match a.len() {
-                1 => by_type!(1),
-                2 => by_type!(2),
-                3 => by_type!(3),
-                4 => by_type!(4),
-                n => panic!("1 to {TOKENS} tokens per call, not {n}"),
-            }
+        let (blocks, layout) = checked_layout(ty, records, a);
+        for half in 0..2 {
+            // SAFETY: this kernel is only in the sets of processors with AVX2, FMA and F16C;
+            // every token has an activation block per record (checked).
+            unsafe { monomorphized!(tokens, ty, a.len(), (records.as_ptr(), blocks, layout, half, a, &mut *out)) }
         }
     }
 
