@@ -367,4 +367,10 @@ describe("models", () => {
     ]);
     expect(modelRows({})).toEqual([]);
   });
+
+  it("says which models share a CPU worker, whose weights are in RAM once", () => {
+    const shared = (id: string, other: string) => ({ id, role: "chat", state: "cpu", resident_bytes: { cpu: 15 * 1048576 }, cpu_worker_shared_with: [other], last_used_unix_ms: null });
+    const rows = modelRows({ models: [shared("chat-a", "chat-b"), shared("chat-b", "chat-a")] }, 0);
+    expect(rows.map((r) => r.cpu)).toEqual(["15 MiB, one worker with chat-b", "15 MiB, one worker with chat-a"]);
+  });
 });

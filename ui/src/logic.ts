@@ -573,6 +573,15 @@ export interface ModelRow {
   lastUsed: string;
 }
 
+/** A model's CPU worker: its weights, and the models it serves beside this one (one process,
+ *  its weights in RAM once, so the column's MiB are not added up across those rows). */
+function cpuColumn(m: Json): string {
+  if (m.resident_bytes?.cpu == null) return "—";
+  const shared: string[] = m.cpu_worker_shared_with ?? [];
+  const bytes = formatMiB(m.resident_bytes.cpu / MIB);
+  return shared.length ? `${bytes}, one worker with ${shared.join(", ")}` : bytes;
+}
+
 export function modelRows(status: Json, nowMs = Date.now()): ModelRow[] {
   const models: Json[] = status.models ?? [];
   const where: Record<string, string> = { gpu: "GPU", split: "GPU + CPU (split)", cpu: "CPU only" };
@@ -585,7 +594,7 @@ export function modelRows(status: Json, nowMs = Date.now()): ModelRow[] {
     role: m.role ?? "chat",
     where: where[m.state] ?? m.state ?? "—",
     gpu: m.resident_bytes?.gpu != null ? formatMiB(m.resident_bytes.gpu / MIB) : "—",
-    cpu: m.resident_bytes?.cpu != null ? formatMiB(m.resident_bytes.cpu / MIB) : "—",
+    cpu: cpuColumn(m),
     lastUsed: typeof m.last_used_unix_ms === "number" ? ago(m.last_used_unix_ms) : "—",
   }));
 }
