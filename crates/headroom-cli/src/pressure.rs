@@ -1935,14 +1935,23 @@ fn copy_model(model_dir: &Path, dir: &Path, suffix: &str) -> Result<PathBuf> {
 /// them, its GPU worker gets kill -9.
 #[allow(clippy::too_many_arguments)]
 async fn shared_gpu_waves(model_dir: &Path, gpu: PressureGpu, sizing: &Sizing, dir: &Path, clock: &Clock, timeline: &SharedTimeline, scale: Scale, max_tokens: u32, records: &mut Vec<Record>, recoveries: &mut Vec<Recovery>, env: &[(&str, &str)]) -> Result<SharedRun> {
-    let second = copy_model(model_dir, &dir.join("models"), "b")?;
+    // The second chat model is the first's folder under another name: the two share one CPU
+    // worker (one process, one queue), so each wave's kill fails over into the queue the other
+    // model's requests use too.
+    let second = format!("{}-b", model_dir.file_stem().context("the model has no name")?.to_string_lossy());
     let embedder = copy_model(model_dir, &dir.join("models"), "embed")?;
-    let extra = format!("\n[[models]]\nsource = {:?}\n\n[[models]]\nsource = {:?}\nrole = \"embedding\"\n", second.display().to_string(), embedder.display().to_string());
+    let extra = format!("\n[[models]]\nsource = {:?}\nname = {second:?}\n\n[[models]]\nsource = {:?}\nrole = \"embedding\"\n", model_dir.display().to_string(), embedder.display().to_string());
     let server = Server::start_with(model_dir, gpu, Some(sizing), dir, env, &extra).await?;
-    let models: Vec<String> = server.status().await?["models"].as_array().context("no models[] in /v1/status")?.iter().filter_map(|m| m["id"].as_str().map(str::to_string)).collect();
+    let listed = server.status().await?["models"].as_array().context("no models[] in /v1/status")?.clone();
+    let models: Vec<String> = listed.iter().filter_map(|m| m["id"].as_str().map(str::to_string)).collect();
     if models.len() != 3 {
         bail!("the several-models server serves {models:?}, not three models");
     }
+    let cpu_pids: Vec<Option<u64>> = listed.iter().map(|m| m["cpu_pid"].as_u64()).collect();
+    if cpu_pids[0].is_none() || cpu_pids[0] != cpu_pids[1] || cpu_pids[2] == cpu_pids[0] {
+        bail!("the two chat models should share one CPU worker and the embedding model have its own; their CPU workers' pids are {cpu_pids:?}");
+    }
+    mark(timeline, clock, format!("several models: {} and {} share one CPU worker (pid {})", models[0], models[1], cpu_pids[0].unwrap_or(0)));
     let limit_mib = (sizing.sim_vram_mib - sizing.reserve_mib) as f64;
     let first = records.len();
     // The last wave runs beside a competing program that leaves one model's requests room for
