@@ -309,7 +309,7 @@ impl Supervisor {
         let (cpu, owns_cpu) = match &config.cpu_share {
             Some(shared) if shared.running() != run => {
                 return Err(Error::Invalid(format!(
-                    "the CPU worker to share runs {} with other options than this model's CPU path ({}); models share a CPU worker only when they run the same model with the same CPU settings",
+                    "the CPU worker to share runs {}, and this model's CPU path runs {} (or other CPU options); models share a CPU worker only when they run the same model with the same CPU settings",
                     shared.model_dir().display(),
                     run.model_dir.display()
                 )))
