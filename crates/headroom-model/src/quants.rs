@@ -307,12 +307,10 @@ pub(crate) fn scales_mins_k4(q: &[u8]) -> ([u8; 8], [u8; 8]) {
     const LOW2: u32 = 0x0303_0303;
     let scales_hi = (c & LOW4) | (((a >> 6) & LOW2) << 4);
     let mins_hi = ((c >> 4) & LOW4) | (((b >> 6) & LOW2) << 4);
-    let join = |lo: u32, hi: u32| {
-        let mut out = [0u8; 8];
-        out[..4].copy_from_slice(&lo.to_le_bytes());
-        out[4..].copy_from_slice(&hi.to_le_bytes());
-        out
-    };
+    // One 64-bit value, not two 32-bit halves written apart: the SIMD kernels load the eight
+    // bytes at once, and a load spanning two earlier stores cannot be forwarded from them (it
+    // waits for both to reach the cache: half of a Q4_K decode step's time, measured with perf).
+    let join = |lo: u32, hi: u32| ((hi as u64) << 32 | lo as u64).to_le_bytes();
     (join(a & LOW6, scales_hi), join(b & LOW6, mins_hi))
 }
 
