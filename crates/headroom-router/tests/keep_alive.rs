@@ -75,9 +75,11 @@ async fn an_unloaded_model_loads_again_for_a_full_gpu_whose_kill_loses_nothing()
         let straight: Vec<u32> = (0..40).map(|k| token_at(&prompt(i), k)).collect();
         assert_eq!(c.outcome.tokens, straight, "{}: nothing lost or repeated", c.outcome.request_id);
         // Each was for the GPU until the kill: none was sent to the CPU because the model was
-        // unloaded.
+        // unloaded. A running request hears of the kill itself; a queued one that takes a slot
+        // before the supervisor has noticed the death finds the killed worker gone.
         for f in &c.outcome.failovers {
-            assert!(f.reason.contains("killed"), "{}: left the GPU before the kill: {:?} {}", c.outcome.request_id, f.kind, f.reason);
+            let from_the_kill = f.reason.contains("killed") || f.reason.contains("the sim worker is gone");
+            assert!(from_the_kill, "{}: left the GPU before the kill: {:?} {}", c.outcome.request_id, f.kind, f.reason);
         }
         assert!(c.outcome.device == Device::Sim || !c.outcome.failovers.is_empty(), "{}: admitted to the CPU", c.outcome.request_id);
     }
