@@ -71,14 +71,16 @@ pub(super) struct WorkAhead {
 }
 
 impl LaneQueue {
-    pub(super) fn new(lane: Lane, capacity: usize, failover_room: usize, concurrency: usize) -> Self {
+    /// A lane with no failover room yet: each dispatcher whose GPU lane fails over into it adds
+    /// its own (see [`super::Dispatcher::start`]).
+    pub(super) fn new(lane: Lane, capacity: usize, concurrency: usize) -> Self {
         Self {
             lane,
             slots: Semaphore::new(concurrency.max(1)),
             waiting: AtomicUsize::new(0),
             running: AtomicUsize::new(0),
             capacity,
-            failover_room: AtomicUsize::new(failover_room),
+            failover_room: AtomicUsize::new(0),
             concurrency: AtomicUsize::new(concurrency.max(1)),
             rates: Mutex::new(Rates::default()),
             work_ahead: Mutex::new(WorkAhead::default()),
@@ -206,7 +208,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_lane_resized_by_settings_gives_and_takes_back_slots() {
-        let lane = Arc::new(LaneQueue::new(Lane::Cpu, 4, 0, 1));
+        let lane = Arc::new(LaneQueue::new(Lane::Cpu, 4, 1));
         let running = lane.slots.acquire().await.unwrap();
         lane.resize(3);
         assert_eq!(lane.slots.available_permits(), 2, "two more slots at once");
@@ -222,7 +224,7 @@ mod tests {
 
     #[test]
     fn lane_delay_comes_from_measured_rates_and_the_work_ahead() {
-        let lane = LaneQueue::new(Lane::Cpu, 4, 0, 1);
+        let lane = LaneQueue::new(Lane::Cpu, 4, 1);
         assert_eq!(lane.estimated_delay_ms(), None, "nothing measured yet");
         lane.observe(100, 100.0, 100, 1000.0); // 1 ms a prompt token, 10 ms a new token
         assert_eq!(lane.estimated_delay_ms(), Some(0), "a free slot: no wait");

@@ -171,14 +171,14 @@ impl Dispatcher {
         let gpu_room = if config.gpu.is_some() { queues.gpu_queue_capacity + gpu_concurrency } else { 0 };
         // A CPU worker shared with other models has one queue: the first model's, with room
         // for every model's GPU lane.
-        let cpu = supervisor.shared_cpu().lane(|| Arc::new(LaneQueue::new(Lane::Cpu, queues.cpu_queue_capacity, 0, cpu_concurrency)));
+        let cpu = supervisor.shared_cpu().lane(|| Arc::new(LaneQueue::new(Lane::Cpu, queues.cpu_queue_capacity, cpu_concurrency)));
         cpu.failover_room.fetch_add(gpu_room, Ordering::SeqCst);
         let host_total = headroom_memory::observe::host_memory().map(|h| h.total_bytes).unwrap_or(0);
         let inner = Arc::new(Inner {
             supervisor,
             journal,
             planner,
-            gpu: LaneQueue::new(Lane::Gpu, queues.gpu_queue_capacity, 0, gpu_concurrency),
+            gpu: LaneQueue::new(Lane::Gpu, queues.gpu_queue_capacity, gpu_concurrency),
             cpu,
             settings: Mutex::new(settings),
             settings_file,
