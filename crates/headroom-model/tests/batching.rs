@@ -80,7 +80,7 @@ fn batched_decode_steps_equal_lone_steps_exactly() {
 
 /// Runs `test` of this binary with a batch's decode rows summed in another order than a lone
 /// step's (the K-quants and floats through the prefill tiles instead of the row kernels; repacked
-/// Q4_0, Q4_1 and Q8_0 blocks added last to first) and asserts that it fails saying `says`.
+/// blocks added last to first) and asserts that it fails saying `says`.
 fn fails_with_tiles_in_batches(test: &str, says: &str) {
     headroom_model::assert_control_fails(test, "batch-tiles", says)
 }
@@ -93,7 +93,7 @@ fn controls_apply(q32: bool) -> bool {
         return false;
     }
     let k = headroom_model::cpu::dot::Kernels::detect();
-    let applies = k.interleaved32.is_some() || k.tile32.is_some() || (!q32 && k.k_tile.is_some());
+    let applies = k.interleaved32.is_some() || k.tile32.is_some() || (!q32 && (k.k_tile.is_some() || k.interleaved256.is_some()));
     if !applies {
         eprintln!("this processor's kernels sum a batch's steps as they sum lone steps; the control is skipped");
     }

@@ -36,6 +36,7 @@ pub const KERNELS: Kernels = Kernels {
     tile32: Some(super::tile::avx2_32::kernel32),
     float_tile: Some((super::tile::avx2_float::unpack, super::tile::avx2_float::kernel)),
     interleaved32: Some(super::interleave::avx2::kernel),
+    interleaved256: Some(super::interleave_k::avx2::kernel),
 };
 
 /// Runs `kernel` with the row count as a compile-time constant (1 to 4).

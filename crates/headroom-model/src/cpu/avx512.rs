@@ -42,6 +42,7 @@ pub const KERNELS: Kernels = Kernels {
     tile32: Some(super::tile::vnni::kernel32),
     float_tile: Some((super::tile::avx2_float::unpack, super::tile::avx512_float::kernel)),
     interleaved32: Some(super::interleave::vnni::kernel),
+    interleaved256: Some(super::interleave_k::vnni::kernel),
 };
 
 /// Whether this processor runs [`KERNELS`].

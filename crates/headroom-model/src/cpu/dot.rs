@@ -371,6 +371,8 @@ pub struct Kernels {
     /// ([`super::interleave`]), for every token count, where there is one: matrices of those
     /// types are then repacked at load.
     pub interleaved32: Option<super::interleave::InterleavedKernel>,
+    /// The same for Q4_K and Q6_K ([`super::interleave_k`]).
+    pub interleaved256: Option<super::interleave_k::Kernel>,
 }
 
 /// A scalar row kernel applied to each of the rows.
@@ -429,6 +431,7 @@ impl Kernels {
         tile32: None,
         float_tile: None,
         interleaved32: None,
+        interleaved256: None,
     };
 
     /// The one-token and two-token kernels of unquantized rows (F32, F16, BF16).

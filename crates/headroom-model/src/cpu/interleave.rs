@@ -213,7 +213,7 @@ macro_rules! monomorphized {
 /// prefetch does nothing.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn prefetch_ahead(record: *const u8, rec: usize) {
+pub(super) fn prefetch_ahead(record: *const u8, rec: usize) {
     const AHEAD: usize = 8192;
     for line in (0..rec).step_by(64) {
         // SAFETY: a prefetch reads nothing and faults on no address.

@@ -6,6 +6,7 @@ use std::sync::{Arc, OnceLock};
 
 use super::dot::{activation_kind, quantize_q8x256, quantize_q8x32, ActivationKind, Kernels, Q8x256, Q8x32};
 use super::interleave::{self, InterleavedKernel};
+use super::interleave_k;
 use super::team::Team;
 use super::tile::{combine, combine32, unpack, unpack32, Combine, Combine32, FColumn16, FloatTileKernel, FloatUnpack, KBlock8, QBlock8, Tile32Kernel, TileKernel, FLOAT_ROWS, ROWS, TOKENS};
 use crate::quants::GgmlType;
@@ -28,9 +29,9 @@ impl Deref for Bytes {
 }
 
 /// `rows × cols` weights, row-major, each row a whole number of `ty` blocks: the layout GGUF
-/// stores (`[out, in]`), so a product reads every row once, front to back; or, for Q4_0, Q4_1
-/// and Q8_0 where this processor has the kernel and the rows are whole groups of 16, the same
-/// bytes repacked into those groups ([`super::interleave`]).
+/// stores (`[out, in]`), so a product reads every row once, front to back; or, for Q4_0, Q4_1,
+/// Q8_0, Q4_K and Q6_K where this processor has the kernel and the rows are whole groups of 16,
+/// the same bytes repacked into those groups ([`super::interleave`], [`super::interleave_k`]).
 pub struct PackedMatrix {
     pub ty: GgmlType,
     pub rows: usize,
@@ -38,7 +39,37 @@ pub struct PackedMatrix {
     row_bytes: usize,
     data: Bytes,
     /// The kernel of repacked weights (`data` then holds records of 16 rows, not rows).
-    interleaved: Option<InterleavedKernel>,
+    interleaved: Option<Repacked>,
+}
+
+/// Weights repacked into groups of 16 rows, and their kernel.
+#[derive(Clone, Copy)]
+enum Repacked {
+    /// Q4_0, Q4_1, Q8_0 ([`super::interleave`]).
+    Blocks32(InterleavedKernel),
+    /// Q4_K, Q6_K ([`super::interleave_k`]).
+    Super256(interleave_k::Kernel),
+}
+
+impl Repacked {
+    /// The repacking of `ty` that this processor has a kernel for, if any.
+    fn of(ty: GgmlType) -> Option<Repacked> {
+        let kernels = Kernels::detect();
+        if interleave::record_bytes(ty).is_some() {
+            kernels.interleaved32.map(Repacked::Blocks32)
+        } else if interleave_k::record_bytes(ty).is_some() {
+            kernels.interleaved256.map(Repacked::Super256)
+        } else {
+            None
+        }
+    }
+
+    fn interleave(self, ty: GgmlType, w: &[u8], row_bytes: usize, out: &mut [u8]) {
+        match self {
+            Repacked::Blocks32(_) => interleave::interleave(ty, w, row_bytes, out),
+            Repacked::Super256(_) => interleave_k::interleave(ty, w, row_bytes, out),
+        }
+    }
 }
 
 impl std::fmt::Debug for PackedMatrix {
@@ -60,16 +91,16 @@ impl PackedMatrix {
         if data.len() != rows * row_bytes {
             return Err(format!("{rows}×{cols} {ty} weights need {} bytes, found {}", rows * row_bytes, data.len()));
         }
-        let interleaved = Kernels::detect().interleaved32.filter(|_| interleave::record_bytes(ty).is_some() && rows % interleave::GROUP == 0);
+        let interleaved = Repacked::of(ty).filter(|_| rows % interleave::GROUP == 0);
         let data = match interleaved {
-            Some(_) => {
+            Some(repacked) => {
                 // A few groups at a time, each range of the file released once copied: the copy
                 // never holds the whole matrix twice (resident memory peaks at the model's size).
                 let mut records = vec![0u8; data.len()];
                 let group = interleave::GROUP * row_bytes;
                 let chunk = (1 << 20) / group.max(1) * group + group;
                 for (at, out) in (0..data.len()).step_by(chunk).zip(records.chunks_mut(chunk)) {
-                    interleave::interleave(ty, &data[at..at + out.len()], row_bytes, out);
+                    repacked.interleave(ty, &data[at..at + out.len()], row_bytes, out);
                     release(&data, at, out.len());
                 }
                 Bytes::Owned(records)
@@ -94,7 +125,8 @@ impl PackedMatrix {
     /// Row `r`'s blocks as the file stores them.
     pub fn row(&self, r: usize) -> std::borrow::Cow<'_, [u8]> {
         match self.interleaved {
-            Some(_) => interleave::row(self.ty, &self.data, self.row_bytes, r).into(),
+            Some(Repacked::Blocks32(_)) => interleave::row(self.ty, &self.data, self.row_bytes, r).into(),
+            Some(Repacked::Super256(_)) => interleave_k::row(self.ty, &self.data, self.row_bytes, r).into(),
             None => self.data[r * self.row_bytes..(r + 1) * self.row_bytes].into(),
         }
     }
@@ -104,7 +136,8 @@ impl PackedMatrix {
         crate::quants::dequantize(self.ty, &self.row(r), self.cols).expect("row sizes were checked at construction")
     }
 
-    /// Whether the weights are repacked into groups of 16 rows ([`super::interleave`]).
+    /// Whether the weights are repacked into groups of 16 rows ([`super::interleave`],
+    /// [`super::interleave_k`]).
     pub fn is_interleaved(&self) -> bool {
         self.interleaved.is_some()
     }
@@ -180,8 +213,9 @@ enum TileKind {
     K(TileKernel, Combine),
     Q32(Tile32Kernel, Combine32),
     Float(FloatUnpack, FloatTileKernel),
-    /// Weights repacked at load ([`super::interleave`]), for every token count.
-    Interleaved(InterleavedKernel),
+    /// Weights repacked at load ([`super::interleave`], [`super::interleave_k`]), for every
+    /// token count.
+    Interleaved(Repacked),
 }
 
 impl TileKind {
@@ -241,16 +275,21 @@ pub fn multiply_all(products: &mut [(&PackedMatrix, &mut [f32])], x: &Activation
         assert_eq!(x.cols, m.cols, "activations have {} columns, the weights {}", x.cols, m.cols);
         let kind = match m.interleaved {
             // The negative control of batch invariance: a batch's steps in another order.
-            Some(_) if x.reordered => Some(TileKind::Interleaved(|ty, records, a, out| interleave::scalar(ty, records, a, out, true))),
-            Some(kernel) => Some(TileKind::Interleaved(kernel)),
+            Some(Repacked::Blocks32(_)) if x.reordered => Some(TileKind::Interleaved(Repacked::Blocks32(|ty, records, a, out| interleave::scalar(ty, records, a, out, true)))),
+            Some(Repacked::Super256(_)) if x.reordered => Some(TileKind::Interleaved(Repacked::Super256(|ty, records, a, out| interleave_k::scalar(ty, records, a, out, true)))),
+            Some(repacked) => Some(TileKind::Interleaved(repacked)),
             None if x.separate_steps => None,
             None => tile_kind(kernels, m.ty, tokens),
         };
         let product = match kind {
             None => Product::Rows(m.rows_dot(x, team)),
-            Some(TileKind::Interleaved(kernel)) => {
-                let a = x.q8x32(team);
-                Product::Tiled(Box::new(move |out, first, last| interleaved_task(m, a, kernel, out, tokens, first, last)))
+            Some(TileKind::Interleaved(Repacked::Blocks32(kernel))) => {
+                let (a, rec) = (x.q8x32(team), interleave::record_bytes(m.ty).expect("a repacked type"));
+                Product::Tiled(Box::new(move |out, first, last| interleaved_task(m, a, 32, rec, |r, a, s| kernel(m.ty, r, a, s), out, tokens, first, last)))
+            }
+            Some(TileKind::Interleaved(Repacked::Super256(kernel))) => {
+                let (a, rec) = (x.q8x256(team), interleave_k::record_bytes(m.ty).expect("a repacked type"));
+                Product::Tiled(Box::new(move |out, first, last| interleaved_task(m, a, 256, rec, |r, a, s| kernel(m.ty, r, a, s), out, tokens, first, last)))
             }
             Some(TileKind::Float(unpack, kernel)) => {
                 let a = x.values;
@@ -354,19 +393,31 @@ fn tiled_task<B: Default + Clone + 'static, A, const R: usize>(
 }
 
 /// Rows `first..last` (whole groups of 16) of a product of repacked weights for every token:
-/// each group's records, in cache, serve the tokens 4 at a time.
-fn interleaved_task(m: &PackedMatrix, a: &[Q8x32], kernel: InterleavedKernel, out: SharedPtr<f32>, tokens: usize, first: usize, last: usize) {
+/// each group's records (`rec` bytes per `block` columns), in cache, serve the tokens 4 at a
+/// time.
+#[allow(clippy::too_many_arguments)]
+fn interleaved_task<A>(
+    m: &PackedMatrix,
+    a: &[A],
+    block: usize,
+    rec: usize,
+    kernel: impl Fn(&[u8], &[&[A]], &mut [[f32; interleave::GROUP]; TOKENS]),
+    out: SharedPtr<f32>,
+    tokens: usize,
+    first: usize,
+    last: usize,
+) {
     use interleave::GROUP;
-    let per = m.cols / 32;
-    let group_bytes = per * interleave::record_bytes(m.ty).expect("a repacked type");
+    let per = m.cols / block;
+    let group_bytes = per * rec;
     for r in (first..last).step_by(GROUP) {
         let n = (last - r).min(GROUP);
         let records = &m.data[r / GROUP * group_bytes..][..group_bytes];
         for t in (0..tokens).step_by(TOKENS) {
             let k = (tokens - t).min(TOKENS);
-            let token: [&[Q8x32]; TOKENS] = std::array::from_fn(|j| &a[(t + j).min(tokens - 1) * per..][..per]);
+            let token: [&[A]; TOKENS] = std::array::from_fn(|j| &a[(t + j).min(tokens - 1) * per..][..per]);
             let mut sums = [[0f32; GROUP]; TOKENS];
-            kernel(m.ty, records, &token[..k], &mut sums);
+            kernel(records, &token[..k], &mut sums);
             for (j, sums) in sums[..k].iter().enumerate() {
                 // SAFETY: rows r..r + n of token t + j belong to this task alone, inside the
                 // product's `out`.
@@ -503,8 +554,9 @@ mod tests {
         use rand::SeedableRng;
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
         let floats = [GgmlType::F32, GgmlType::F16, GgmlType::BF16].map(|ty| (ty, &[][..]));
-        // 21 rows: tiles of 8 and a remainder; 24: repacked where this processor repacks.
-        for (rows, &(ty, scale_at)) in [21, 24].into_iter().flat_map(|rows| TYPES.iter().chain(&floats).map(move |t| (rows, t))) {
+        // 21 rows: tiles of 8 and a remainder; 32: two groups of 16, repacked where this
+        // processor repacks the type.
+        for (rows, &(ty, scale_at)) in [21, 32].into_iter().flat_map(|rows| TYPES.iter().chain(&floats).map(move |t| (rows, t))) {
             let cols = 2 * 256;
             let w = match ty {
                 GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {

@@ -40,6 +40,7 @@ pub const KERNELS: Kernels = Kernels {
     tile32: None,
     float_tile: None,
     interleaved32: None,
+    interleaved256: None,
 };
 
 /// Σ x·y of 16 signed bytes, in four i32 lanes (products fit i16: |x·y| ≤ 128²).
