@@ -371,7 +371,7 @@ pub struct Kernels {
     /// ([`super::interleave`]), for every token count, where there is one: matrices of those
     /// types are then repacked at load.
     pub interleaved32: Option<super::interleave::InterleavedKernel>,
-    /// The same for Q4_K and Q6_K ([`super::interleave_k`]).
+    /// The same for Q4_K, Q5_K and Q6_K ([`super::interleave_k`]).
     pub interleaved256: Option<super::interleave_k::Kernel>,
 }
 

@@ -1,4 +1,4 @@
-//! Q4_K and Q6_K weights repacked at load into groups of 16 rows whose vector lanes are the rows,
+//! Q4_K, Q5_K and Q6_K weights repacked at load into groups of 16 rows whose vector lanes are the rows,
 //! as [`super::interleave`] does for the 32-value types: one kernel for every token count, each
 //! weight load serving up to 4 tokens, and a decode step that does no per-row work.
 //!
@@ -9,7 +9,8 @@
 //! the weights once (the row kernels read them once per pair).
 //!
 //! Every lane takes the scalar reference's steps (exact integer sums per super-block, then
-//! `d_act · (d · Σ − dmin · Σmin)` for Q4_K, `d · d_act · Σ` for Q6_K, added block after block),
+//! `d_act · (d · Σ − dmin · Σmin)` for Q4_K and Q5_K, `d · d_act · Σ` for Q6_K, added block
+//! after block),
 //! so a product equals [`super::dot`]'s scalar reference bit for bit whatever the token count:
 //! prefills are chunk-invariant and a sequence's logits in a batch equal its lone step's.
 //!
@@ -19,6 +20,9 @@
 //!   (byte `k` of row `r` at `16k + r`), then 32 × 64 bytes of quants: bytes `4r..4r + 4` of the
 //!   `(8p + h)`-th 64 are row `r`'s bytes `32p + 4h..32p + 4h + 4` (low nibbles: sub-block `2p`,
 //!   columns `4h..4h + 4`; high nibbles: sub-block `2p + 1`).
+//! - Q5_K (2816 bytes): Q4_K's, with each row's 32 bytes of fifth bits as 8 × 64 between the
+//!   scales and the quants (bytes `4r..4r + 4` of the `h`-th 64 are row `r`'s `qh[4h..4h + 4]`,
+//!   whose bit `j` belongs to sub-block `j`).
 //! - Q6_K (3360 bytes): the 16 f16 `d`, the 16 signed scales as 16 × 16 (sub-block `s` of row `r`
 //!   at `16s + r`), then 16 runs of three 64-byte vectors, read front to back: low nibbles `k`,
 //!   low nibbles `k + 16`, high bit pairs `k`. Writing `g` for the 4 columns `4g..4g + 4`, row
@@ -33,10 +37,20 @@ use super::interleave::GROUP;
 use super::tile::TOKENS;
 use crate::quants::GgmlType;
 
-/// Q4_K: where the mins' f16 scales, the packed scales and the quants start in a record.
+/// Q4_K, Q5_K: where the mins' f16 scales, the packed scales and Q5_K's fifth bits start in a
+/// record.
 const K4_DMIN: usize = 2 * GROUP;
 const K4_SCALES: usize = 4 * GROUP;
-const K4_QUANTS: usize = K4_SCALES + 12 * GROUP;
+const K5_HIGH: usize = K4_SCALES + 12 * GROUP;
+
+/// Q4_K, Q5_K: where the quants start in a record.
+const fn k45_quants(fifth: bool) -> usize {
+    if fifth {
+        K5_HIGH + 8 * 64
+    } else {
+        K5_HIGH
+    }
+}
 /// Q6_K: where the scales and the quants start in a record.
 const K6_SCALES: usize = 2 * GROUP;
 const K6_QUANTS: usize = K6_SCALES + 16 * GROUP;
@@ -53,7 +67,7 @@ const fn k6_high(k: usize) -> usize {
 
 /// Bytes of one record of `ty` (16 rows × one super-block), `None` for types not repacked.
 pub fn record_bytes(ty: GgmlType) -> Option<usize> {
-    matches!(ty, GgmlType::Q4K | GgmlType::Q6K).then(|| GROUP * ty.block_bytes())
+    matches!(ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K).then(|| GROUP * ty.block_bytes())
 }
 
 /// A Q6_K block's 256 quants (0..=63, before the −32 offset), in column order.
@@ -92,16 +106,21 @@ fn q6_at(r: usize, c: usize) -> (usize, u32, usize, u32) {
     (k6_low(g % 32) + 4 * r + i, 4 * (g / 32) as u32, k6_high(g % 16) + 4 * r + i, 2 * (g / 16) as u32)
 }
 
-/// Where column `c` of lane `r` sits in a Q4_K record: `(byte, its shift)`.
-fn q4_at(r: usize, c: usize) -> (usize, u32) {
+/// Where column `c` of lane `r` sits in a Q4_K or Q5_K record: `(byte, its shift)`.
+fn q45_at(fifth: bool, r: usize, c: usize) -> (usize, u32) {
     let (j, l) = (c / 32, c % 32);
-    (K4_QUANTS + 64 * (8 * (j / 2) + l / 4) + 4 * r + l % 4, 4 * (j % 2) as u32)
+    (k45_quants(fifth) + 64 * (8 * (j / 2) + l / 4) + 4 * r + l % 4, 4 * (j % 2) as u32)
+}
+
+/// Where byte `l` of lane `r`'s fifth bits sits in a Q5_K record.
+fn q5_high_at(r: usize, l: usize) -> usize {
+    K5_HIGH + 64 * (l / 4) + 4 * r + l % 4
 }
 
 /// Repacks rows `w` (whole groups of 16, `row_bytes` bytes each, whole super-blocks of `ty`)
 /// into records, in `out` (as long as `w`).
 pub fn interleave(ty: GgmlType, w: &[u8], row_bytes: usize, out: &mut [u8]) {
-    let rec = record_bytes(ty).expect("Q4_K or Q6_K");
+    let rec = record_bytes(ty).expect("a repacked K-quant");
     let size = ty.block_bytes();
     let blocks = row_bytes / size;
     assert!(w.len() % (GROUP * row_bytes) == 0 && out.len() == w.len(), "whole groups of {GROUP} rows");
@@ -109,16 +128,25 @@ pub fn interleave(ty: GgmlType, w: &[u8], row_bytes: usize, out: &mut [u8]) {
         let (group, lane) = (r / GROUP, r % GROUP);
         for (i, b) in row.chunks_exact(size).enumerate() {
             let o = &mut out[(group * blocks + i) * rec..][..rec];
-            if ty == GgmlType::Q4K {
+            if ty != GgmlType::Q6K {
+                let fifth = ty == GgmlType::Q5K;
                 o[2 * lane..2 * lane + 2].copy_from_slice(&b[0..2]);
                 o[K4_DMIN + 2 * lane..K4_DMIN + 2 * lane + 2].copy_from_slice(&b[2..4]);
                 for k in 0..12 {
                     o[K4_SCALES + 16 * k + lane] = b[4 + k];
                 }
+                let qs = if fifth {
+                    for l in 0..32 {
+                        o[q5_high_at(lane, l)] = b[16 + l];
+                    }
+                    48
+                } else {
+                    16
+                };
                 // Each byte holds columns c (low nibble) and c + 32 of one pair of sub-blocks.
                 for p in 0..4 {
                     for l in 0..32 {
-                        o[q4_at(lane, 64 * p + l).0] = b[16 + 32 * p + l];
+                        o[q45_at(fifth, lane, 64 * p + l).0] = b[qs + 32 * p + l];
                     }
                 }
             } else {
@@ -144,22 +172,31 @@ pub fn interleave(ty: GgmlType, w: &[u8], row_bytes: usize, out: &mut [u8]) {
 
 /// Row `r`'s blocks in the file's layout again, from the records (an embedding lookup).
 pub fn row(ty: GgmlType, records: &[u8], row_bytes: usize, r: usize) -> Vec<u8> {
-    let rec = record_bytes(ty).expect("Q4_K or Q6_K");
+    let rec = record_bytes(ty).expect("a repacked K-quant");
     let size = ty.block_bytes();
     let blocks = row_bytes / size;
     let (group, lane) = (r / GROUP, r % GROUP);
     let mut out = vec![0u8; row_bytes];
     for (i, b) in out.chunks_exact_mut(size).enumerate() {
         let o = &records[(group * blocks + i) * rec..][..rec];
-        if ty == GgmlType::Q4K {
+        if ty != GgmlType::Q6K {
+            let fifth = ty == GgmlType::Q5K;
             b[0..2].copy_from_slice(&o[2 * lane..2 * lane + 2]);
             b[2..4].copy_from_slice(&o[K4_DMIN + 2 * lane..K4_DMIN + 2 * lane + 2]);
             for k in 0..12 {
                 b[4 + k] = o[K4_SCALES + 16 * k + lane];
             }
+            let qs = if fifth {
+                for l in 0..32 {
+                    b[16 + l] = o[q5_high_at(lane, l)];
+                }
+                48
+            } else {
+                16
+            };
             for p in 0..4 {
                 for l in 0..32 {
-                    b[16 + 32 * p + l] = o[q4_at(lane, 64 * p + l).0];
+                    b[qs + 32 * p + l] = o[q45_at(fifth, lane, 64 * p + l).0];
                 }
             }
         } else {
@@ -188,7 +225,7 @@ pub type Kernel = fn(ty: GgmlType, records: &[u8], a: &[&[Q8x256]], out: &mut [[
 /// The scalar form of the kernel: the tests' check of the layout. With `reordered`, the blocks
 /// are added last to first (another rounding): the negative control of batch invariance.
 pub fn scalar(ty: GgmlType, records: &[u8], a: &[&[Q8x256]], out: &mut [[f32; GROUP]; TOKENS], reordered: bool) {
-    let rec = record_bytes(ty).expect("Q4_K or Q6_K");
+    let rec = record_bytes(ty).expect("a repacked K-quant");
     for (t, a) in a.iter().enumerate() {
         for r in 0..GROUP {
             let mut blocks: Vec<(&[u8], &Q8x256)> = records.chunks_exact(rec).zip(a.iter()).collect();
@@ -197,15 +234,17 @@ pub fn scalar(ty: GgmlType, records: &[u8], a: &[&[Q8x256]], out: &mut [[f32; GR
             }
             let mut sum = 0f32;
             for (o, a) in blocks {
-                sum += if ty == GgmlType::Q4K {
+                sum += if ty != GgmlType::Q6K {
+                    let fifth = ty == GgmlType::Q5K;
                     let packed: [u8; 12] = std::array::from_fn(|k| o[K4_SCALES + 16 * k + r]);
                     let (scales, mins) = scales_mins_k4(&packed);
                     let (mut isum, mut msum) = (0i32, 0i32);
                     for j in 0..8 {
                         let part: i32 = (32 * j..32 * j + 32)
                             .map(|c| {
-                                let (at, shift) = q4_at(r, c);
-                                ((o[at] >> shift) & 0x0f) as i32 * a.qs[c] as i32
+                                let (at, shift) = q45_at(fifth, r, c);
+                                let high = if fifth { ((o[q5_high_at(r, c % 32)] >> j) & 1) << 4 } else { 0 };
+                                (((o[at] >> shift) & 0x0f) | high) as i32 * a.qs[c] as i32
                             })
                             .sum();
                         isum += scales[j] as i32 * part;
@@ -237,7 +276,7 @@ pub(super) mod vnni {
     use super::*;
 
     pub fn kernel(ty: GgmlType, records: &[u8], a: &[&[Q8x256]], out: &mut [[f32; GROUP]; TOKENS]) {
-        let rec = record_bytes(ty).expect("Q4_K or Q6_K");
+        let rec = record_bytes(ty).expect("a repacked K-quant");
         let blocks = records.len() / rec;
         assert_eq!(records.len(), blocks * rec);
         assert!((1..=TOKENS).contains(&a.len()), "1 to {TOKENS} tokens per call, not {}", a.len());
@@ -249,10 +288,14 @@ pub(super) mod vnni {
         // every token has an activation block per record (checked).
         unsafe {
             match (a.len(), ty) {
-                (1, GgmlType::Q4K) => q4_k::<1>(r, blocks, a, out),
-                (2, GgmlType::Q4K) => q4_k::<2>(r, blocks, a, out),
-                (3, GgmlType::Q4K) => q4_k::<3>(r, blocks, a, out),
-                (_, GgmlType::Q4K) => q4_k::<4>(r, blocks, a, out),
+                (1, GgmlType::Q4K) => q4_k::<1, false>(r, blocks, a, out),
+                (2, GgmlType::Q4K) => q4_k::<2, false>(r, blocks, a, out),
+                (3, GgmlType::Q4K) => q4_k::<3, false>(r, blocks, a, out),
+                (_, GgmlType::Q4K) => q4_k::<4, false>(r, blocks, a, out),
+                (1, GgmlType::Q5K) => q4_k::<1, true>(r, blocks, a, out),
+                (2, GgmlType::Q5K) => q4_k::<2, true>(r, blocks, a, out),
+                (3, GgmlType::Q5K) => q4_k::<3, true>(r, blocks, a, out),
+                (_, GgmlType::Q5K) => q4_k::<4, true>(r, blocks, a, out),
                 (1, _) => q6_k::<1>(r, blocks, a, out),
                 (2, _) => q6_k::<2>(r, blocks, a, out),
                 (3, _) => q6_k::<3>(r, blocks, a, out),
@@ -273,15 +316,17 @@ pub(super) mod vnni {
         _mm_loadu_si128(p as *const __m128i)
     }
 
+    /// Q4_K, or Q5_K with `FIFTH`.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn q4_k<const T: usize>(records: *const u8, blocks: usize, a: &[&[Q8x256]], out: &mut [[f32; GROUP]; TOKENS]) {
-        const REC: usize = GROUP * 144;
+    unsafe fn q4_k<const T: usize, const FIFTH: bool>(records: *const u8, blocks: usize, a: &[&[Q8x256]], out: &mut [[f32; GROUP]; TOKENS]) {
+        let rec = GROUP * if FIFTH { 176 } else { 144 };
         let low = _mm512_set1_epi8(0x0f);
+        let (bit0, bit1) = (_mm512_set1_epi8(1), _mm512_set1_epi8(2));
         let (low6, low4, top2) = (_mm_set1_epi8(0x3f), _mm_set1_epi8(0x0f), _mm_set1_epi8(0x30));
         let mut sum = [_mm512_setzero_ps(); T];
         for i in 0..blocks {
-            let o = records.add(i * REC);
-            prefetch_ahead(o, REC);
+            let o = records.add(i * rec);
+            prefetch_ahead(o, rec);
             let ab: [&Q8x256; T] = std::array::from_fn(|t| a[t].get_unchecked(i));
             // The 16 rows' scales and mins (`scales_mins_k4`, a byte per row).
             let s: [__m128i; 12] = std::array::from_fn(|k| lanes(o.add(K4_SCALES + 16 * k)));
@@ -294,8 +339,15 @@ pub(super) mod vnni {
             for p in 0..4 {
                 let mut part = [[_mm512_setzero_si512(); T]; 2];
                 for h in 0..8 {
-                    let v = _mm512_loadu_si512(o.add(K4_QUANTS + 64 * (8 * p + h)) as *const __m512i);
-                    let (lo, hi) = (_mm512_and_si512(v, low), _mm512_and_si512(_mm512_srli_epi16::<4>(v), low));
+                    let v = _mm512_loadu_si512(o.add(k45_quants(FIFTH) + 64 * (8 * p + h)) as *const __m512i);
+                    let (mut lo, mut hi) = (_mm512_and_si512(v, low), _mm512_and_si512(_mm512_srli_epi16::<4>(v), low));
+                    if FIFTH {
+                        // Bits 2p and 2p + 1 of each byte to bit 4 of the sub-blocks' quants.
+                        let bits = _mm512_loadu_si512(o.add(K5_HIGH + 64 * h) as *const __m512i);
+                        let bits = _mm512_srl_epi16(bits, _mm_cvtsi32_si128(2 * p as i32));
+                        lo = _mm512_or_si512(lo, _mm512_slli_epi16::<4>(_mm512_and_si512(bits, bit0)));
+                        hi = _mm512_or_si512(hi, _mm512_slli_epi16::<3>(_mm512_and_si512(bits, bit1)));
+                    }
                     for t in 0..T {
                         part[0][t] = _mm512_dpbusd_epi32(part[0][t], lo, four(ab[t], 64 * p + 4 * h));
                         part[1][t] = _mm512_dpbusd_epi32(part[1][t], hi, four(ab[t], 64 * p + 32 + 4 * h));
@@ -388,7 +440,8 @@ pub(super) mod vnni {
 /// The kernel with AVX2 (x86-64 since Haswell): each group's 16 rows as two halves of 8 lanes.
 /// Without `vpdpbusd`, `maddubs` multiplies byte pairs into 16-bit sums that a `madd` by the
 /// sub-block's scale (twice, as i16) widens: exact, as no 16-bit sum can overflow (a Q4_K
-/// sub-block's 8 pair sums reach 8 · 2 · 15 · 127 = 30480; Q6_K's quants, up to 63, are summed
+/// sub-block's 8 pair sums reach 8 · 2 · 15 · 127 = 30480, Q5_K's are summed 4 at a time,
+/// 4 · 2 · 31 · 127 = 31496; Q6_K's quants, up to 63, are summed
 /// two pairs at a time, 2 · 2 · 63 · 127 = 32004). The integers per super-block and row are the
 /// scalar reference's, and so are the float steps.
 #[cfg(target_arch = "x86_64")]
@@ -400,7 +453,7 @@ pub(super) mod avx2 {
     use super::*;
 
     pub fn kernel(ty: GgmlType, records: &[u8], a: &[&[Q8x256]], out: &mut [[f32; GROUP]; TOKENS]) {
-        let rec = record_bytes(ty).expect("Q4_K or Q6_K");
+        let rec = record_bytes(ty).expect("a repacked K-quant");
         let blocks = records.len() / rec;
         assert_eq!(records.len(), blocks * rec);
         assert!((1..=TOKENS).contains(&a.len()), "1 to {TOKENS} tokens per call, not {}", a.len());
@@ -413,10 +466,14 @@ pub(super) mod avx2 {
             // every token has an activation block per record (checked).
             unsafe {
                 match (a.len(), ty) {
-                    (1, GgmlType::Q4K) => q4_k::<1>(r, blocks, half, a, out),
-                    (2, GgmlType::Q4K) => q4_k::<2>(r, blocks, half, a, out),
-                    (3, GgmlType::Q4K) => q4_k::<3>(r, blocks, half, a, out),
-                    (_, GgmlType::Q4K) => q4_k::<4>(r, blocks, half, a, out),
+                    (1, GgmlType::Q4K) => q4_k::<1, false>(r, blocks, half, a, out),
+                    (2, GgmlType::Q4K) => q4_k::<2, false>(r, blocks, half, a, out),
+                    (3, GgmlType::Q4K) => q4_k::<3, false>(r, blocks, half, a, out),
+                    (_, GgmlType::Q4K) => q4_k::<4, false>(r, blocks, half, a, out),
+                    (1, GgmlType::Q5K) => q4_k::<1, true>(r, blocks, half, a, out),
+                    (2, GgmlType::Q5K) => q4_k::<2, true>(r, blocks, half, a, out),
+                    (3, GgmlType::Q5K) => q4_k::<3, true>(r, blocks, half, a, out),
+                    (_, GgmlType::Q5K) => q4_k::<4, true>(r, blocks, half, a, out),
                     (1, _) => q6_k::<1>(r, blocks, half, a, out),
                     (2, _) => q6_k::<2>(r, blocks, half, a, out),
                     (3, _) => q6_k::<3>(r, blocks, half, a, out),
@@ -450,18 +507,21 @@ pub(super) mod avx2 {
         _mm256_or_si256(v, _mm256_slli_epi32::<16>(v))
     }
 
-    /// Rows `8 · half..8 · half + 8` of the group.
+    /// Rows `8 · half..8 · half + 8` of the group: Q4_K, or Q5_K with `FIFTH`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q4_k<const T: usize>(records: *const u8, blocks: usize, half: usize, a: &[&[Q8x256]], out: &mut [[f32; GROUP]; TOKENS]) {
-        const REC: usize = GROUP * 144;
+    unsafe fn q4_k<const T: usize, const FIFTH: bool>(records: *const u8, blocks: usize, half: usize, a: &[&[Q8x256]], out: &mut [[f32; GROUP]; TOKENS]) {
+        let rec = GROUP * if FIFTH { 176 } else { 144 };
+        // Quants of 4 bits: 8 pair sums fit an i16 (30480); of 5 bits, 4 (4 · 2 · 31 · 127 = 31496).
+        let flush = if FIFTH { 4 } else { 8 };
         let low = _mm256_set1_epi8(0x0f);
+        let (bit0, bit1) = (_mm256_set1_epi8(1), _mm256_set1_epi8(2));
         let (low6, low4, top2) = (_mm_set1_epi8(0x3f), _mm_set1_epi8(0x0f), _mm_set1_epi8(0x30));
         let mut sum = [_mm256_setzero_ps(); T];
         for i in 0..blocks {
-            let o = records.add(i * REC);
+            let o = records.add(i * rec);
             if half == 0 {
                 // The second half finds the record in cache.
-                prefetch_ahead(o, REC);
+                prefetch_ahead(o, rec);
             }
             let ab: [&Q8x256; T] = std::array::from_fn(|t| a[t].get_unchecked(i));
             let s: [__m128i; 12] = std::array::from_fn(|k| lanes(o.add(K4_SCALES + 16 * k + 8 * half)));
@@ -472,18 +532,28 @@ pub(super) mod avx2 {
                     let b = if j < 4 { _mm_and_si128(s[j], low6) } else { _mm_or_si128(_mm_and_si128(s[j + 4], low4), high(j - 4)) };
                     twice(_mm256_cvtepu8_epi32(b))
                 };
+                let (even, odd) = (scale(2 * p), scale(2 * p + 1));
                 let mut pairs = [[_mm256_setzero_si256(); T]; 2];
                 for h in 0..8 {
-                    let v = _mm256_loadu_si256(o.add(K4_QUANTS + 64 * (8 * p + h) + 32 * half) as *const __m256i);
-                    let (lo, hi) = (_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16::<4>(v), low));
+                    let v = _mm256_loadu_si256(o.add(k45_quants(FIFTH) + 64 * (8 * p + h) + 32 * half) as *const __m256i);
+                    let (mut lo, mut hi) = (_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16::<4>(v), low));
+                    if FIFTH {
+                        // Bits 2p and 2p + 1 of each byte to bit 4 of the sub-blocks' quants.
+                        let bits = _mm256_loadu_si256(o.add(K5_HIGH + 64 * h + 32 * half) as *const __m256i);
+                        let bits = _mm256_srl_epi16(bits, _mm_cvtsi32_si128(2 * p as i32));
+                        lo = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(_mm256_and_si256(bits, bit0)));
+                        hi = _mm256_or_si256(hi, _mm256_slli_epi16::<3>(_mm256_and_si256(bits, bit1)));
+                    }
                     for t in 0..T {
                         pairs[0][t] = _mm256_add_epi16(pairs[0][t], _mm256_maddubs_epi16(lo, four(ab[t], 64 * p + 4 * h)));
                         pairs[1][t] = _mm256_add_epi16(pairs[1][t], _mm256_maddubs_epi16(hi, four(ab[t], 64 * p + 32 + 4 * h)));
                     }
-                }
-                let (even, odd) = (scale(2 * p), scale(2 * p + 1));
-                for t in 0..T {
-                    isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(_mm256_madd_epi16(pairs[0][t], even), _mm256_madd_epi16(pairs[1][t], odd)));
+                    if h % flush == flush - 1 {
+                        for t in 0..T {
+                            isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(_mm256_madd_epi16(pairs[0][t], even), _mm256_madd_epi16(pairs[1][t], odd)));
+                        }
+                        pairs = [[_mm256_setzero_si256(); T]; 2];
+                    }
                 }
             }
             let mut msum = [_mm256_setzero_si256(); T];
@@ -606,8 +676,8 @@ mod tests {
     }
 
     /// The scalar kernel on the records and this processor's kernels equal the scalar row
-    /// reference bit for bit, for 1 to 4 tokens, on random, all-zero and saturated blocks; the
-    /// reordered control does not.
+    /// reference bit for bit, for 1 to 4 tokens, on random, all-zero and saturated blocks (and
+    /// saturated activations); the reordered control does not.
     #[test]
     fn kernels_equal_the_row_reference_exactly() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(14);
@@ -617,10 +687,13 @@ mod tests {
                 let (rows, cols) = (GROUP, 5 * 256);
                 let row_bytes = cols / 256 * ty.block_bytes();
                 let (w, records) = weights(ty, scale_at, rows, cols, kind, &mut rng);
+                // The last token's activations all at their largest: with saturated blocks, the
+                // 16-bit sums of the AVX2 kernel at their bounds.
                 let q: Vec<Vec<Q8x256>> = (0..TOKENS)
-                    .map(|_| {
+                    .map(|t| {
+                        let x = if t == TOKENS - 1 { vec![1.0; cols] } else { activations(cols, &mut rng) };
                         let mut q = vec![Q8x256::default(); cols / 256];
-                        quantize_q8x256(&activations(cols, &mut rng), &mut q);
+                        quantize_q8x256(&x, &mut q);
                         q
                     })
                     .collect();

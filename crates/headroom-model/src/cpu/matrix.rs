@@ -30,7 +30,7 @@ impl Deref for Bytes {
 
 /// `rows × cols` weights, row-major, each row a whole number of `ty` blocks: the layout GGUF
 /// stores (`[out, in]`), so a product reads every row once, front to back; or, for Q4_0, Q4_1,
-/// Q8_0, Q4_K and Q6_K where this processor has the kernel and the rows are whole groups of 16,
+/// Q8_0, Q4_K, Q5_K and Q6_K where this processor has the kernel and the rows are whole groups of 16,
 /// the same bytes repacked into those groups ([`super::interleave`], [`super::interleave_k`]).
 pub struct PackedMatrix {
     pub ty: GgmlType,
@@ -47,7 +47,7 @@ pub struct PackedMatrix {
 enum Repacked {
     /// Q4_0, Q4_1, Q8_0 ([`super::interleave`]).
     Blocks32(InterleavedKernel),
-    /// Q4_K, Q6_K ([`super::interleave_k`]).
+    /// Q4_K, Q5_K, Q6_K ([`super::interleave_k`]).
     Super256(interleave_k::Kernel),
 }
 

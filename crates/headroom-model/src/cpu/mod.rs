@@ -8,7 +8,7 @@
 //! - [`tile`]: the K-quants' prefill products over rows unpacked once per product;
 //! - [`interleave`]: Q4_0, Q4_1 and Q8_0 repacked into groups of 16 rows at load, one kernel for
 //!   every token count (AVX2, AVX-512 VNNI);
-//! - [`interleave_k`]: Q4_K and Q6_K repacked the same way (AVX2, AVX-512 VNNI);
+//! - [`interleave_k`]: Q4_K, Q5_K and Q6_K repacked the same way (AVX2, AVX-512 VNNI);
 //! - [`matrix`]: packed matrices and their threaded products (decode rows and prefill tiles);
 //! - [`team`]: the pool's threads held together for a forward pass (one wake-up, not one per
 //!   product);
