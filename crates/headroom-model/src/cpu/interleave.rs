@@ -400,7 +400,7 @@ pub(super) mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu::conformance::{activations, blocks, Blocks, TYPES};
+    use crate::cpu::conformance::{activations, blocks, repacked_equal_the_reference, Blocks, TYPES};
     use crate::cpu::dot::{quantize_q8x32, Kernels};
     use rand::SeedableRng;
 
@@ -443,28 +443,12 @@ mod tests {
                     q
                 })
                 .collect();
+            let mut kernels: Vec<(&str, InterleavedKernel)> = vec![("scalar", |ty, rec, a, out| scalar(ty, rec, a, out, false))];
+            // Every set this processor runs (an AVX-512 one runs the AVX2 kernel too).
+            kernels.extend(Kernels::available().iter().filter_map(|k| k.interleaved32.map(|kernel| (k.name, kernel))));
             let reference = Kernels::SCALAR.q8x32_kernels(ty).0;
-            let mut reordered_differs = false;
-            for tokens in 1..=TOKENS {
-                let a: Vec<&[Q8x32]> = q[..tokens].iter().map(Vec::as_slice).collect();
-                let mut kernels: Vec<(&str, InterleavedKernel)> = vec![("scalar", |ty, rec, a, out| scalar(ty, rec, a, out, false))];
-                // Every set this processor runs (an AVX-512 one runs the AVX2 kernel too).
-                kernels.extend(Kernels::available().iter().filter_map(|k| k.interleaved32.map(|kernel| (k.name, kernel))));
-                for (name, kernel) in kernels {
-                    let mut out = [[0f32; GROUP]; TOKENS];
-                    kernel(ty, &records, &a, &mut out);
-                    for (t, a) in a.iter().enumerate() {
-                        let mut want = [0f32; GROUP];
-                        reference(&w, row_bytes, a, &mut want);
-                        assert_eq!(out[t], want, "{ty} {name}: token {t} of {tokens}");
-                    }
-                }
-                let mut reordered = [[0f32; GROUP]; TOKENS];
-                scalar(ty, &records, &a, &mut reordered, true);
-                let mut exact = [[0f32; GROUP]; TOKENS];
-                scalar(ty, &records, &a, &mut exact, false);
-                reordered_differs |= reordered != exact;
-            }
+            let reordered = |ty, rec: &[u8], a: &[&[Q8x32]], out: &mut [[f32; GROUP]; TOKENS]| scalar(ty, rec, a, out, true);
+            let reordered_differs = repacked_equal_the_reference(ty, &w, row_bytes, &records, &q, reference, &kernels, reordered);
             assert!(reordered_differs, "{ty}: the reordered control changes nothing");
         }
     }

@@ -265,6 +265,42 @@ pub fn scalar(ty: GgmlType, records: &[u8], a: &[&[Q8x256]], out: &mut [[f32; GR
     }
 }
 
+/// A SIMD kernel's call checked: every token has an activation block per record. Gives the
+/// records' count.
+#[cfg(target_arch = "x86_64")]
+fn checked_blocks(ty: GgmlType, records: &[u8], a: &[&[Q8x256]]) -> usize {
+    let rec = record_bytes(ty).expect("a repacked K-quant");
+    let blocks = records.len() / rec;
+    assert_eq!(records.len(), blocks * rec);
+    assert!((1..=TOKENS).contains(&a.len()), "1 to {TOKENS} tokens per call, not {}", a.len());
+    for a in a {
+        assert!(a.len() >= blocks);
+    }
+    blocks
+}
+
+/// Calls `q4_k::<T, FIFTH>(args)` for Q4_K and Q5_K, `q6_k::<T>(args)` for Q6_K, with the token
+/// count `T` (1 to 4) as a constant.
+#[cfg(target_arch = "x86_64")]
+macro_rules! monomorphized {
+    ($ty:expr, $tokens:expr, ($($arg:expr),*)) => {
+        match ($tokens, $ty) {
+            (1, GgmlType::Q4K) => q4_k::<1, false>($($arg),*),
+            (2, GgmlType::Q4K) => q4_k::<2, false>($($arg),*),
+            (3, GgmlType::Q4K) => q4_k::<3, false>($($arg),*),
+            (_, GgmlType::Q4K) => q4_k::<4, false>($($arg),*),
+            (1, GgmlType::Q5K) => q4_k::<1, true>($($arg),*),
+            (2, GgmlType::Q5K) => q4_k::<2, true>($($arg),*),
+            (3, GgmlType::Q5K) => q4_k::<3, true>($($arg),*),
+            (_, GgmlType::Q5K) => q4_k::<4, true>($($arg),*),
+            (1, _) => q6_k::<1>($($arg),*),
+            (2, _) => q6_k::<2>($($arg),*),
+            (3, _) => q6_k::<3>($($arg),*),
+            (_, _) => q6_k::<4>($($arg),*),
+        }
+    };
+}
+
 /// The kernel with AVX-512 VNNI (`vpdpbusd` on 512-bit vectors, a lane per row of the group).
 /// A sub-block's integer sum is one `vpdpbusd` chain, then one multiply by the 16 rows' scales.
 #[cfg(target_arch = "x86_64")]
@@ -276,32 +312,10 @@ pub(super) mod vnni {
     use super::*;
 
     pub fn kernel(ty: GgmlType, records: &[u8], a: &[&[Q8x256]], out: &mut [[f32; GROUP]; TOKENS]) {
-        let rec = record_bytes(ty).expect("a repacked K-quant");
-        let blocks = records.len() / rec;
-        assert_eq!(records.len(), blocks * rec);
-        assert!((1..=TOKENS).contains(&a.len()), "1 to {TOKENS} tokens per call, not {}", a.len());
-        for a in a {
-            assert!(a.len() >= blocks);
-        }
-        let r = records.as_ptr();
+        let blocks = checked_blocks(ty, records, a);
         // SAFETY: this kernel is only in the set of processors with AVX-512 VL, BW and VNNI;
         // every token has an activation block per record (checked).
-        unsafe {
-            match (a.len(), ty) {
-                (1, GgmlType::Q4K) => q4_k::<1, false>(r, blocks, a, out),
-                (2, GgmlType::Q4K) => q4_k::<2, false>(r, blocks, a, out),
-                (3, GgmlType::Q4K) => q4_k::<3, false>(r, blocks, a, out),
-                (_, GgmlType::Q4K) => q4_k::<4, false>(r, blocks, a, out),
-                (1, GgmlType::Q5K) => q4_k::<1, true>(r, blocks, a, out),
-                (2, GgmlType::Q5K) => q4_k::<2, true>(r, blocks, a, out),
-                (3, GgmlType::Q5K) => q4_k::<3, true>(r, blocks, a, out),
-                (_, GgmlType::Q5K) => q4_k::<4, true>(r, blocks, a, out),
-                (1, _) => q6_k::<1>(r, blocks, a, out),
-                (2, _) => q6_k::<2>(r, blocks, a, out),
-                (3, _) => q6_k::<3>(r, blocks, a, out),
-                (_, _) => q6_k::<4>(r, blocks, a, out),
-            }
-        }
+        unsafe { monomorphized!(ty, a.len(), (records.as_ptr(), blocks, a, out)) }
     }
 
     /// Activations `at..at + 4` of a block in every 32-bit lane.
@@ -453,33 +467,11 @@ pub(super) mod avx2 {
     use super::*;
 
     pub fn kernel(ty: GgmlType, records: &[u8], a: &[&[Q8x256]], out: &mut [[f32; GROUP]; TOKENS]) {
-        let rec = record_bytes(ty).expect("a repacked K-quant");
-        let blocks = records.len() / rec;
-        assert_eq!(records.len(), blocks * rec);
-        assert!((1..=TOKENS).contains(&a.len()), "1 to {TOKENS} tokens per call, not {}", a.len());
-        for a in a {
-            assert!(a.len() >= blocks);
-        }
-        let r = records.as_ptr();
+        let blocks = checked_blocks(ty, records, a);
         for half in 0..2 {
             // SAFETY: this kernel is only in the sets of processors with AVX2, FMA and F16C;
             // every token has an activation block per record (checked).
-            unsafe {
-                match (a.len(), ty) {
-                    (1, GgmlType::Q4K) => q4_k::<1, false>(r, blocks, half, a, out),
-                    (2, GgmlType::Q4K) => q4_k::<2, false>(r, blocks, half, a, out),
-                    (3, GgmlType::Q4K) => q4_k::<3, false>(r, blocks, half, a, out),
-                    (_, GgmlType::Q4K) => q4_k::<4, false>(r, blocks, half, a, out),
-                    (1, GgmlType::Q5K) => q4_k::<1, true>(r, blocks, half, a, out),
-                    (2, GgmlType::Q5K) => q4_k::<2, true>(r, blocks, half, a, out),
-                    (3, GgmlType::Q5K) => q4_k::<3, true>(r, blocks, half, a, out),
-                    (_, GgmlType::Q5K) => q4_k::<4, true>(r, blocks, half, a, out),
-                    (1, _) => q6_k::<1>(r, blocks, half, a, out),
-                    (2, _) => q6_k::<2>(r, blocks, half, a, out),
-                    (3, _) => q6_k::<3>(r, blocks, half, a, out),
-                    (_, _) => q6_k::<4>(r, blocks, half, a, out),
-                }
-            }
+            unsafe { monomorphized!(ty, a.len(), (records.as_ptr(), blocks, half, a, &mut *out)) }
         }
     }
 
@@ -644,7 +636,7 @@ pub(super) mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu::conformance::{activations, blocks, Blocks, TYPES};
+    use crate::cpu::conformance::{activations, blocks, repacked_equal_the_reference, Blocks, TYPES};
     use crate::cpu::dot::{quantize_q8x256, Kernels};
     use rand::SeedableRng;
 
@@ -697,26 +689,11 @@ mod tests {
                         q
                     })
                     .collect();
+                let mut kernels: Vec<(&str, Kernel)> = vec![("scalar", |ty, rec, a, out| scalar(ty, rec, a, out, false))];
+                kernels.extend(Kernels::available().iter().filter_map(|k| k.interleaved256.map(|kernel| (k.name, kernel))));
                 let reference = Kernels::SCALAR.q8x256_kernels(ty).0;
-                for tokens in 1..=TOKENS {
-                    let a: Vec<&[Q8x256]> = q[..tokens].iter().map(Vec::as_slice).collect();
-                    let mut kernels: Vec<(&str, Kernel)> = vec![("scalar", |ty, rec, a, out| scalar(ty, rec, a, out, false))];
-                    kernels.extend(Kernels::available().iter().filter_map(|k| k.interleaved256.map(|kernel| (k.name, kernel))));
-                    for (name, kernel) in kernels {
-                        let mut out = [[0f32; GROUP]; TOKENS];
-                        kernel(ty, &records, &a, &mut out);
-                        for (t, a) in a.iter().enumerate() {
-                            let mut want = [0f32; GROUP];
-                            reference(&w, row_bytes, a, &mut want);
-                            assert_eq!(out[t], want, "{ty} {name}: token {t} of {tokens}");
-                        }
-                    }
-                    let mut reordered = [[0f32; GROUP]; TOKENS];
-                    scalar(ty, &records, &a, &mut reordered, true);
-                    let mut exact = [[0f32; GROUP]; TOKENS];
-                    scalar(ty, &records, &a, &mut exact, false);
-                    reordered_differs |= reordered != exact;
-                }
+                let reordered = |ty, rec: &[u8], a: &[&[Q8x256]], out: &mut [[f32; GROUP]; TOKENS]| scalar(ty, rec, a, out, true);
+                reordered_differs |= repacked_equal_the_reference(ty, &w, row_bytes, &records, &q, reference, &kernels, reordered);
             }
             assert!(reordered_differs, "{ty}: the reordered control changes nothing");
         }
