@@ -8,6 +8,8 @@ use half::f16;
 use rand::{Rng, SeedableRng};
 
 use super::dot::*;
+use super::interleave::{RepackedKernel, GROUP};
+use super::tile::TOKENS;
 use crate::quants::GgmlType;
 
 /// Packed types and where their f16 scales sit in a block.
@@ -221,10 +223,6 @@ pub fn pairs_equal_singles(k: &Kernels, ty: GgmlType, w: &[u8], row_bytes: usize
     }
 }
 
-/// A repacked kernel: 16 rows of records times 1 to 4 tokens ([`super::interleave`],
-/// [`super::interleave_k`]).
-pub type Repacked<A> = fn(GgmlType, &[u8], &[&[A]], &mut [[f32; 16]; 4]);
-
 /// Each of `kernels` on `records` (16 rows of `w`, repacked) times the first 1 to 4 tokens of `q`
 /// equals the row reference `reference` on `w` bit for bit; gives whether `reordered` (the
 /// records' scalar kernel adding blocks last to first) differed from the first kernel anywhere.
@@ -236,24 +234,24 @@ pub fn repacked_equal_the_reference<A>(
     records: &[u8],
     q: &[Vec<A>],
     reference: fn(&[u8], usize, &[A], &mut [f32]),
-    kernels: &[(&str, Repacked<A>)],
-    reordered: Repacked<A>,
+    kernels: &[(&str, RepackedKernel<A>)],
+    reordered: RepackedKernel<A>,
 ) -> bool {
     let mut differs = false;
-    for tokens in 1..=q.len().min(4) {
+    for tokens in 1..=q.len().min(TOKENS) {
         let a: Vec<&[A]> = q[..tokens].iter().map(Vec::as_slice).collect();
         let mut first = None;
         for (name, kernel) in kernels {
-            let mut out = [[0f32; 16]; 4];
+            let mut out = [[0f32; GROUP]; TOKENS];
             kernel(ty, records, &a, &mut out);
             for (t, a) in a.iter().enumerate() {
-                let mut want = [0f32; 16];
+                let mut want = [0f32; GROUP];
                 reference(w, row_bytes, a, &mut want);
                 assert_eq!(out[t], want, "{ty} {name}: token {t} of {tokens}");
             }
             first.get_or_insert(out);
         }
-        let mut other = [[0f32; 16]; 4];
+        let mut other = [[0f32; GROUP]; TOKENS];
         reordered(ty, records, &a, &mut other);
         differs |= Some(other) != first;
     }

@@ -121,9 +121,13 @@ pub fn row(ty: GgmlType, records: &[u8], row_bytes: usize, r: usize) -> Vec<u8> 
     out
 }
 
-/// `out[t][r]` = row `r` of a group (its records, one per block) times token `t` (`a[t]`, one
-/// activation block per block), for 1 to [`TOKENS`] tokens.
-pub type InterleavedKernel = fn(ty: GgmlType, records: &[u8], a: &[&[Q8x32]], out: &mut [[f32; GROUP]; TOKENS]);
+/// A kernel of repacked weights, here and in [`super::interleave_k`]: `out[t][r]` = row `r` of a
+/// group (its records, one per block) times token `t` (`a[t]`, one activation block `A` per
+/// block), for 1 to [`TOKENS`] tokens.
+pub type RepackedKernel<A> = fn(ty: GgmlType, records: &[u8], a: &[&[A]], out: &mut [[f32; GROUP]; TOKENS]);
+
+/// The kernel of repacked Q4_0, Q4_1 and Q8_0 weights.
+pub type InterleavedKernel = RepackedKernel<Q8x32>;
 
 /// The quant of lane `r`, column `c` of a record, unsigned (see the module's layout).
 fn quant(ty: GgmlType, o: &[u8], r: usize, c: usize) -> i32 {

@@ -33,7 +33,7 @@
 //!   prefetcher: Q6_K's products ran at ~60% of Q4_K's bytes per second.)
 
 use super::dot::{f16_at, scales_mins_k4, Q8x256};
-use super::interleave::GROUP;
+use super::interleave::{RepackedKernel, GROUP};
 use super::tile::TOKENS;
 use crate::quants::GgmlType;
 
@@ -117,6 +117,31 @@ fn q5_high_at(r: usize, l: usize) -> usize {
     K5_HIGH + 64 * (l / 4) + 4 * r + l % 4
 }
 
+/// Calls `each(at in the block, at in the record)` for every byte of lane `lane`'s `ty` block
+/// that its record holds unchanged: all of a Q4_K or Q5_K block; Q6_K's `d` and scales (its
+/// quants are regrouped bit by bit, [`q6_at`]). Repacking and reading a row back both go by it.
+fn moved_bytes(ty: GgmlType, lane: usize, mut each: impl FnMut(usize, usize)) {
+    if ty == GgmlType::Q6K {
+        (0..2).for_each(|i| each(208 + i, 2 * lane + i));
+        (0..16).for_each(|s| each(192 + s, K6_SCALES + 16 * s + lane));
+        return;
+    }
+    let fifth = ty == GgmlType::Q5K;
+    for i in 0..2 {
+        each(i, 2 * lane + i);
+        each(2 + i, K4_DMIN + 2 * lane + i);
+    }
+    (0..12).for_each(|k| each(4 + k, K4_SCALES + 16 * k + lane));
+    let qs = if fifth {
+        (0..32).for_each(|l| each(16 + l, q5_high_at(lane, l)));
+        48
+    } else {
+        16
+    };
+    // Each quant byte holds columns c (low nibble) and c + 32 of one pair of sub-blocks.
+    (0..128).for_each(|at| each(qs + at, q45_at(fifth, lane, 64 * (at / 32) + at % 32).0));
+}
+
 /// Repacks rows `w` (whole groups of 16, `row_bytes` bytes each, whole super-blocks of `ty`)
 /// into records, in `out` (as long as `w`).
 pub fn interleave(ty: GgmlType, w: &[u8], row_bytes: usize, out: &mut [u8]) {
@@ -128,32 +153,8 @@ pub fn interleave(ty: GgmlType, w: &[u8], row_bytes: usize, out: &mut [u8]) {
         let (group, lane) = (r / GROUP, r % GROUP);
         for (i, b) in row.chunks_exact(size).enumerate() {
             let o = &mut out[(group * blocks + i) * rec..][..rec];
-            if ty != GgmlType::Q6K {
-                let fifth = ty == GgmlType::Q5K;
-                o[2 * lane..2 * lane + 2].copy_from_slice(&b[0..2]);
-                o[K4_DMIN + 2 * lane..K4_DMIN + 2 * lane + 2].copy_from_slice(&b[2..4]);
-                for k in 0..12 {
-                    o[K4_SCALES + 16 * k + lane] = b[4 + k];
-                }
-                let qs = if fifth {
-                    for l in 0..32 {
-                        o[q5_high_at(lane, l)] = b[16 + l];
-                    }
-                    48
-                } else {
-                    16
-                };
-                // Each byte holds columns c (low nibble) and c + 32 of one pair of sub-blocks.
-                for p in 0..4 {
-                    for l in 0..32 {
-                        o[q45_at(fifth, lane, 64 * p + l).0] = b[qs + 32 * p + l];
-                    }
-                }
-            } else {
-                o[2 * lane..2 * lane + 2].copy_from_slice(&b[208..210]);
-                for s in 0..16 {
-                    o[K6_SCALES + 16 * s + lane] = b[192 + s];
-                }
+            moved_bytes(ty, lane, |at, to| o[to] = b[at]);
+            if ty == GgmlType::Q6K {
                 let q = q6_quants(b);
                 for c in 0..256 {
                     let (low, _, high, _) = q6_at(lane, c);
@@ -179,34 +180,11 @@ pub fn row(ty: GgmlType, records: &[u8], row_bytes: usize, r: usize) -> Vec<u8> 
     let mut out = vec![0u8; row_bytes];
     for (i, b) in out.chunks_exact_mut(size).enumerate() {
         let o = &records[(group * blocks + i) * rec..][..rec];
-        if ty != GgmlType::Q6K {
-            let fifth = ty == GgmlType::Q5K;
-            b[0..2].copy_from_slice(&o[2 * lane..2 * lane + 2]);
-            b[2..4].copy_from_slice(&o[K4_DMIN + 2 * lane..K4_DMIN + 2 * lane + 2]);
-            for k in 0..12 {
-                b[4 + k] = o[K4_SCALES + 16 * k + lane];
-            }
-            let qs = if fifth {
-                for l in 0..32 {
-                    b[16 + l] = o[q5_high_at(lane, l)];
-                }
-                48
-            } else {
-                16
-            };
-            for p in 0..4 {
-                for l in 0..32 {
-                    b[qs + 32 * p + l] = o[q45_at(fifth, lane, 64 * p + l).0];
-                }
-            }
-        } else {
+        moved_bytes(ty, lane, |at, from| b[at] = o[from]);
+        if ty == GgmlType::Q6K {
             let q: [u8; 256] = std::array::from_fn(|c| q6_quant(o, lane, c));
             let (ql, rest) = b.split_at_mut(128);
             q6_pack(&q, ql, &mut rest[..64]);
-            for s in 0..16 {
-                b[192 + s] = o[K6_SCALES + 16 * s + lane];
-            }
-            b[208..210].copy_from_slice(&o[2 * lane..2 * lane + 2]);
         }
     }
     out
@@ -218,9 +196,8 @@ fn q6_quant(o: &[u8], r: usize, c: usize) -> u8 {
     ((o[low] >> low_shift) & 0x0f) | (((o[high] >> high_shift) & 3) << 4)
 }
 
-/// `out[t][r]` = row `r` of a group (its records, one per super-block) times token `t` (`a[t]`,
-/// one activation block per super-block), for 1 to [`TOKENS`] tokens.
-pub type Kernel = fn(ty: GgmlType, records: &[u8], a: &[&[Q8x256]], out: &mut [[f32; GROUP]; TOKENS]);
+/// The kernel of repacked Q4_K, Q5_K and Q6_K weights (a block is a super-block).
+pub type Kernel = RepackedKernel<Q8x256>;
 
 /// The scalar form of the kernel: the tests' check of the layout. With `reordered`, the blocks
 /// are added last to first (another rounding): the negative control of batch invariance.
@@ -277,6 +254,28 @@ fn checked_blocks(ty: GgmlType, records: &[u8], a: &[&[Q8x256]]) -> usize {
         assert!(a.len() >= blocks);
     }
     blocks
+}
+
+/// The rows' 6-bit scales and mins of a Q4_K or Q5_K record, a byte per row, from its 12
+/// transposed scale bytes `s` (one vector per byte, a byte per row): `scales_mins_k4` for 16
+/// rows at once. SSE2, which every x86-64 processor has.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(unsafe_op_in_unsafe_fn)]
+unsafe fn scales_mins_k4_lanes(s: &[std::arch::x86_64::__m128i; 12]) -> ([std::arch::x86_64::__m128i; 8], [std::arch::x86_64::__m128i; 8]) {
+    use std::arch::x86_64::*;
+    let (low6, low4, top2) = (_mm_set1_epi8(0x3f), _mm_set1_epi8(0x0f), _mm_set1_epi8(0x30));
+    // Bits 6 and 7 of byte k as bits 4 and 5.
+    let high = |k: usize| _mm_and_si128(_mm_srli_epi16::<2>(s[k]), top2);
+    let scales = std::array::from_fn(|j| if j < 4 { _mm_and_si128(s[j], low6) } else { _mm_or_si128(_mm_and_si128(s[j + 4], low4), high(j - 4)) });
+    let mins = std::array::from_fn(|j| {
+        if j < 4 {
+            _mm_and_si128(s[j + 4], low6)
+        } else {
+            _mm_or_si128(_mm_and_si128(_mm_srli_epi16::<4>(s[j + 4]), low4), high(j))
+        }
+    });
+    (scales, mins)
 }
 
 /// Calls `q4_k::<T, FIFTH>(args)` for Q4_K and Q5_K, `q6_k::<T>(args)` for Q6_K, with the token
@@ -336,19 +335,13 @@ pub(super) mod vnni {
         let rec = GROUP * if FIFTH { 176 } else { 144 };
         let low = _mm512_set1_epi8(0x0f);
         let (bit0, bit1) = (_mm512_set1_epi8(1), _mm512_set1_epi8(2));
-        let (low6, low4, top2) = (_mm_set1_epi8(0x3f), _mm_set1_epi8(0x0f), _mm_set1_epi8(0x30));
         let mut sum = [_mm512_setzero_ps(); T];
         for i in 0..blocks {
             let o = records.add(i * rec);
             prefetch_ahead(o, rec);
             let ab: [&Q8x256; T] = std::array::from_fn(|t| a[t].get_unchecked(i));
-            // The 16 rows' scales and mins (`scales_mins_k4`, a byte per row).
-            let s: [__m128i; 12] = std::array::from_fn(|k| lanes(o.add(K4_SCALES + 16 * k)));
-            let high = |k: usize| _mm_and_si128(_mm_srli_epi16::<2>(s[k]), top2);
-            let scales: [__m512i; 8] = std::array::from_fn(|j| {
-                let b = if j < 4 { _mm_and_si128(s[j], low6) } else { _mm_or_si128(_mm_and_si128(s[j + 4], low4), high(j - 4)) };
-                _mm512_cvtepu8_epi32(b)
-            });
+            let (scales, mins) = scales_mins_k4_lanes(&std::array::from_fn(|k| lanes(o.add(K4_SCALES + 16 * k))));
+            let scales = scales.map(|b| _mm512_cvtepu8_epi32(b));
             let mut isum = [_mm512_setzero_si512(); T];
             for p in 0..4 {
                 let mut part = [[_mm512_setzero_si512(); T]; 2];
@@ -374,13 +367,8 @@ pub(super) mod vnni {
             }
             // Each min twice as i16, against the activations' two sums of 16 of its sub-block.
             let mut msum = [_mm512_setzero_si512(); T];
-            for j in 0..8 {
-                let b = if j < 4 {
-                    _mm_and_si128(s[j + 4], low6)
-                } else {
-                    _mm_or_si128(_mm_and_si128(_mm_srli_epi16::<4>(s[j + 4]), low4), high(j))
-                };
-                let m = _mm512_cvtepu8_epi32(b);
+            for (j, m) in mins.into_iter().enumerate() {
+                let m = _mm512_cvtepu8_epi32(m);
                 let twice = _mm512_or_si512(m, _mm512_slli_epi32::<16>(m));
                 for t in 0..T {
                     let bsums = _mm512_set1_epi32(std::ptr::read_unaligned(ab[t].bsums.as_ptr().add(2 * j) as *const i32));
@@ -507,7 +495,6 @@ pub(super) mod avx2 {
         let flush = if FIFTH { 4 } else { 8 };
         let low = _mm256_set1_epi8(0x0f);
         let (bit0, bit1) = (_mm256_set1_epi8(1), _mm256_set1_epi8(2));
-        let (low6, low4, top2) = (_mm_set1_epi8(0x3f), _mm_set1_epi8(0x0f), _mm_set1_epi8(0x30));
         let mut sum = [_mm256_setzero_ps(); T];
         for i in 0..blocks {
             let o = records.add(i * rec);
@@ -516,15 +503,10 @@ pub(super) mod avx2 {
                 prefetch_ahead(o, rec);
             }
             let ab: [&Q8x256; T] = std::array::from_fn(|t| a[t].get_unchecked(i));
-            let s: [__m128i; 12] = std::array::from_fn(|k| lanes(o.add(K4_SCALES + 16 * k + 8 * half)));
-            let high = |k: usize| _mm_and_si128(_mm_srli_epi16::<2>(s[k]), top2);
+            let (scales, mins) = scales_mins_k4_lanes(&std::array::from_fn(|k| lanes(o.add(K4_SCALES + 16 * k + 8 * half))));
             let mut isum = [_mm256_setzero_si256(); T];
             for p in 0..4 {
-                let scale = |j: usize| {
-                    let b = if j < 4 { _mm_and_si128(s[j], low6) } else { _mm_or_si128(_mm_and_si128(s[j + 4], low4), high(j - 4)) };
-                    twice(_mm256_cvtepu8_epi32(b))
-                };
-                let (even, odd) = (scale(2 * p), scale(2 * p + 1));
+                let (even, odd) = (twice(_mm256_cvtepu8_epi32(scales[2 * p])), twice(_mm256_cvtepu8_epi32(scales[2 * p + 1])));
                 let mut pairs = [[_mm256_setzero_si256(); T]; 2];
                 for h in 0..8 {
                     let v = _mm256_loadu_si256(o.add(k45_quants(FIFTH) + 64 * (8 * p + h) + 32 * half) as *const __m256i);
@@ -549,13 +531,8 @@ pub(super) mod avx2 {
                 }
             }
             let mut msum = [_mm256_setzero_si256(); T];
-            for j in 0..8 {
-                let b = if j < 4 {
-                    _mm_and_si128(s[j + 4], low6)
-                } else {
-                    _mm_or_si128(_mm_and_si128(_mm_srli_epi16::<4>(s[j + 4]), low4), high(j))
-                };
-                let m = twice(_mm256_cvtepu8_epi32(b));
+            for (j, m) in mins.into_iter().enumerate() {
+                let m = twice(_mm256_cvtepu8_epi32(m));
                 for t in 0..T {
                     msum[t] = _mm256_add_epi32(msum[t], _mm256_madd_epi16(m, sums_pair(ab[t], j)));
                 }
