@@ -204,6 +204,12 @@ pub(super) fn vectors() -> Vectors {
 /// registers by the width's own instruction (`W`: 2 AVX-512, 1 F16C on 256 bits, 0 none).
 trait Lanes: Copy {
     fn load16(self, at: usize) -> [f32; 16];
+    /// [`Self::load16`] without its bounds check.
+    ///
+    /// # Safety
+    /// `at + 16 ≤ self.len()`.
+    unsafe fn load16_unchecked(self, at: usize) -> [f32; 16];
+    fn len(self) -> usize;
     fn get(self, at: usize) -> f32;
     /// Asks for the line holding value `at` (past the end: nothing).
     fn prefetch(self, at: usize);
@@ -232,6 +238,15 @@ impl Lanes for F32Lanes<'_> {
         self.0[at..at + 16].try_into().expect("16 values")
     }
     #[inline(always)]
+    unsafe fn load16_unchecked(self, at: usize) -> [f32; 16] {
+        debug_assert!(at + 16 <= self.0.len());
+        std::ptr::read_unaligned(self.0.as_ptr().add(at) as *const [f32; 16])
+    }
+    #[inline(always)]
+    fn len(self) -> usize {
+        self.0.len()
+    }
+    #[inline(always)]
     fn get(self, at: usize) -> f32 {
         self.0[at]
     }
@@ -244,7 +259,18 @@ impl Lanes for F32Lanes<'_> {
 impl<const W: u8> Lanes for F16Lanes<'_, W> {
     #[inline(always)]
     fn load16(self, at: usize) -> [f32; 16] {
-        let v = &self.0[at..at + 16];
+        assert!(at + 16 <= self.0.len(), "16 values");
+        // SAFETY: checked just above.
+        unsafe { self.load16_unchecked(at) }
+    }
+    #[inline(always)]
+    fn len(self) -> usize {
+        self.0.len()
+    }
+    #[inline(always)]
+    unsafe fn load16_unchecked(self, at: usize) -> [f32; 16] {
+        debug_assert!(at + 16 <= self.0.len());
+        let v = std::slice::from_raw_parts(self.0.as_ptr().add(at), 16);
         #[cfg(target_arch = "x86_64")]
         {
             use std::arch::x86_64::*;
@@ -385,10 +411,9 @@ macro_rules! compiled_for {
 compiled_for!(wide, "avx512f,avx2,fma,f16c");
 compiled_for!(narrow, "avx2,fma,f16c");
 
-/// How far ahead of what they sum the value loops ask for cache lines, in bytes. The key loops
-/// ask for the blocks of the next group instead: each block is an allocation of its own, where
-/// the hardware's prefetcher, which stops at every 4 KiB page, cannot follow.
-const AHEAD_BYTES: usize = 2048;
+// The loops ask for the lines of the page after the one they read: each block is an
+// allocation of its own, where the hardware's prefetcher, which stops at every 4 KiB page,
+// cannot follow.
 
 #[inline(always)]
 fn scores_body<L: Lanes>(pages: &[L], q: &[f32], d: usize, scores: &mut [f32], stride: usize) {
@@ -453,20 +478,35 @@ const SUM_WIDTH: usize = 64;
 
 /// Even and odd rows in two chains per column (twice the multiply-adds in flight of one),
 /// summed in registers `SUM_WIDTH` columns at a time, the chains added at the end. Row `j` is
-/// row `j % KEY_BLOCK` of page `j / KEY_BLOCK`.
+/// row `j % KEY_BLOCK` of page `j / KEY_BLOCK`; a page's rows are read in turn, so the parity
+/// of a row within its page is its parity overall (`KEY_BLOCK` is even).
 #[inline(always)]
 fn weighted_sum_body<L: Lanes>(pages: &[L], d: usize, weights: &[f32], out: &mut [f32]) {
+    const { assert!(KEY_BLOCK % 2 == 0) };
     let whole = d / SUM_WIDTH * SUM_WIDTH;
-    let ahead = (AHEAD_BYTES / std::mem::size_of::<f32>() / d).max(1);
+    assert!(weights.len() <= pages.len() * KEY_BLOCK, "a weight per row");
+    for page in pages {
+        assert!(page.len() >= KEY_BLOCK * d, "a page holds KEY_BLOCK rows of {d} values");
+    }
     for at in (0..whole).step_by(SUM_WIDTH) {
         let (mut even, mut odd) = ([0f32; SUM_WIDTH], [0f32; SUM_WIDTH]);
-        let pairs = weights.len() / 2;
-        for j in 0..pairs {
-            add_row(pages, d, at, ahead, &mut even, 2 * j, weights[2 * j]);
-            add_row(pages, d, at, ahead, &mut odd, 2 * j + 1, weights[2 * j + 1]);
-        }
-        if weights.len() % 2 == 1 {
-            add_row(pages, d, at, ahead, &mut even, 2 * pairs, weights[2 * pairs]);
+        for (b, (&page, weights)) in pages.iter().zip(weights.chunks(KEY_BLOCK)).enumerate() {
+            // The first columns' pass asks for the next page's rows, one row per row it sums.
+            let next = if at == 0 { pages.get(b + 1).copied() } else { None };
+            let mut i = 0;
+            while i + 2 <= weights.len() {
+                // SAFETY: rows i, i + 1 < KEY_BLOCK, columns below `whole` ≤ d: inside the
+                // page (checked above).
+                unsafe {
+                    add_row(page, next, d, at, &mut even, i, weights[i]);
+                    add_row(page, next, d, at, &mut odd, i + 1, weights[i + 1]);
+                }
+                i += 2;
+            }
+            if i < weights.len() {
+                // SAFETY: as above.
+                unsafe { add_row(page, next, d, at, &mut even, i, weights[i]) };
+            }
         }
         for l in 0..SUM_WIDTH {
             out[at + l] = even[l] + odd[l];
@@ -489,23 +529,23 @@ fn weighted_sum_body<L: Lanes>(pages: &[L], d: usize, weights: &[f32], out: &mut
     }
 }
 
-/// `acc += w · row j`, columns `at..at + SUM_WIDTH`; on the first columns, asks for the lines
-/// of the row `ahead` rows on. A function, not a closure: a closure is not always inlined into
-/// the width's compiled copy, and outside it a multiply-add is a library call.
+/// `acc += w · row i` of `page`, columns `at..at + SUM_WIDTH`, and asks for the lines of row
+/// `i` of `next`. A function, not a closure: a closure is not always inlined into the width's
+/// compiled copy, and outside it a multiply-add is a library call.
+///
+/// # Safety
+/// Row `i` holds columns `at..at + SUM_WIDTH` inside `page` (`(i · d + at + SUM_WIDTH` ≤ its
+/// length).
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn add_row<L: Lanes>(pages: &[L], d: usize, at: usize, ahead: usize, acc: &mut [f32; SUM_WIDTH], j: usize, w: f32) {
-    if at == 0 {
-        if let Some(page) = pages.get((j + ahead) / KEY_BLOCK) {
-            let first = (j + ahead) % KEY_BLOCK * d;
-            for line in (0..d).step_by(16) {
-                page.prefetch(first + line);
-            }
+unsafe fn add_row<L: Lanes>(page: L, next: Option<L>, d: usize, at: usize, acc: &mut [f32; SUM_WIDTH], i: usize, w: f32) {
+    let first = i * d;
+    if let Some(next) = next {
+        for line in (0..d).step_by(16) {
+            next.prefetch(first + line);
         }
     }
-    let (page, first) = (pages[j / KEY_BLOCK], j % KEY_BLOCK * d);
     for part in 0..SUM_WIDTH / 16 {
-        let v = page.load16(first + at + 16 * part);
+        let v = page.load16_unchecked(first + at + 16 * part);
         for l in 0..16 {
             acc[16 * part + l] = w.mul_add(v[l], acc[16 * part + l]);
         }
