@@ -811,6 +811,12 @@ const OVERCOMMIT_TOKENS: usize = 96;
 /// preemption, the GPU worker is killed with SIGKILL. `worker_env` reaches both workers (a
 /// defect for the negative control).
 async fn overcommitted_gpu_run_dry_then_killed(worker_env: Vec<(String, String)>) -> (Dispatcher, Ends) {
+    overcommitted_gpu_run_dry(worker_env, true, None).await
+}
+
+/// The run above; `allow_cpu`: whether the requests allow the CPU (without it, the GPU worker
+/// is not killed: a request that may not use the CPU cannot outlive its GPU).
+async fn overcommitted_gpu_run_dry(worker_env: Vec<(String, String)>, allow_cpu: bool, defect: Option<Defect>) -> (Dispatcher, Ends) {
     use headroom_memory::footprint::{ModelShape, MIB};
     use headroom_memory::RequestShape;
     let bundle = ModelBundle::open(model_dir()).unwrap();
@@ -837,6 +843,9 @@ async fn overcommitted_gpu_run_dry_then_killed(worker_env: Vec<(String, String)>
     config.worker_env = worker_env;
     let supervisor = Supervisor::start(config).await.unwrap();
     let d = Dispatcher::start(supervisor, Journal::in_memory().unwrap(), planner, memory, QueueConfig::default(), Settings::default(), None).unwrap().0;
+    if let Some(defect) = defect {
+        d.reintroduce_defect_for_test(defect);
+    }
     // One request first, so the GPU lane has measured rates: requests beyond the GPU's memory
     // then wait in its queue for memory to free (an expected wait) instead of going to the CPU.
     d.submit(submission("warm", OVERCOMMIT_PROMPT, 8, None)).unwrap().finish().await.unwrap();
@@ -845,6 +854,7 @@ async fn overcommitted_gpu_run_dry_then_killed(worker_env: Vec<(String, String)>
         .map(|i| {
             let mut sub = submission(&format!("oc-{i}"), OVERCOMMIT_PROMPT, OVERCOMMIT_TOKENS, None);
             sub.stream = i % 2 == 0;
+            sub.allow.cpu = allow_cpu;
             d.submit(sub).unwrap()
         })
         .collect();
@@ -858,7 +868,7 @@ async fn overcommitted_gpu_run_dry_then_killed(worker_env: Vec<(String, String)>
         (0..8).any(|i| preempted(d.journal(), &format!("oc-{i}"))) || d.queues().iter().all(|q| q.running == 0 && q.waiting == 0)
     })
     .await;
-    if let Some(gpu) = d.supervisor().gpu_worker() {
+    if let Some(gpu) = d.supervisor().gpu_worker().filter(|_| allow_cpu) {
         assert!(std::process::Command::new("kill").args(["-9", &gpu.pid.to_string()]).status().unwrap().success());
     }
     let e = ends(tickets).await;
@@ -891,6 +901,43 @@ async fn an_overcommitted_gpu_that_runs_dry_and_dies_loses_no_request() {
         assert!(c.outcome.degraded && c.outcome.failovers.iter().any(|f| f.kind == Some(headroom_worker::FailureKind::Preempted)), "{id}: {:?}", c.outcome.failovers);
     }
     assert!(d.metrics_text().contains("headroom_preemptions_total"), "preemptions are counted");
+    d.supervisor().shutdown().await;
+}
+
+/// Overcommit's promise for requests that may not use the CPU (`allow_cpu: false`): the pool
+/// runs dry with the GPU's slots full and requests queued, the newest are preempted, wait in the
+/// GPU queue for the blocks the others give back, and resume there from their checkpoints;
+/// nothing accepted is lost, nothing runs on the CPU, and every request has all its tokens, the
+/// same tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_only_request_preempted_by_a_dry_pool_resumes_on_the_gpu() {
+    let (d, e) = overcommitted_gpu_run_dry(Vec::new(), false, None).await;
+    assert!(e.lost.is_empty(), "lost after acceptance: {:?}", e.lost);
+    assert_eq!(e.completed.len(), 8);
+    let first = &e.completed[0].outcome.tokens;
+    assert_eq!(first.len(), OVERCOMMIT_TOKENS);
+    assert!(e.completed.iter().all(|c| &c.outcome.tokens == first), "a preempted request's tokens are those it would have made");
+    let preempted_ids: Vec<String> = (0..8).map(|i| format!("oc-{i}")).filter(|id| preempted(d.journal(), id)).collect();
+    assert!(!preempted_ids.is_empty(), "the pool ran dry: at least one request was preempted");
+    for c in &e.completed {
+        assert!(c.outcome.device.is_gpu(), "{} finished on the GPU: {}", c.outcome.request_id, c.outcome.device);
+    }
+    for id in &preempted_ids {
+        let steps: Vec<Transition> = d.journal().transitions(id).unwrap().into_iter().map(|t| t.transition).collect();
+        let after = steps.iter().position(|t| matches!(t, Transition::AttemptFailed { kind: headroom_worker::FailureKind::Preempted, .. })).unwrap();
+        assert!(steps[after..].iter().any(|t| matches!(t, Transition::Queued { device } if *device == Lane::Gpu)), "{id} went back to the GPU queue: {steps:?}");
+        assert!(!steps.iter().any(|t| matches!(t, Transition::Queued { device } if *device == Lane::Cpu)), "{id} never queued for the CPU: {steps:?}");
+    }
+    assert!(!d.metrics_text().contains("to=\"cpu\""), "a preemption back to the GPU queue is not a failover");
+    d.supervisor().shutdown().await;
+}
+
+/// Negative control: a GPU-only request preempted by the dry pool ends there, as before, and is
+/// lost, so the test above can fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_a_gpu_only_request_that_ends_when_preempted_is_lost() {
+    let (d, e) = overcommitted_gpu_run_dry(Vec::new(), false, Some(Defect::PreemptedGpuOnlyEnds)).await;
+    assert!(!e.lost.is_empty(), "the defect must lose requests");
     d.supervisor().shutdown().await;
 }
 

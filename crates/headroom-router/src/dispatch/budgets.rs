@@ -127,7 +127,7 @@ impl Dispatcher {
     }
 
     /// Waits (in the GPU lane, holding a GPU slot) until the request's GPU memory is granted.
-    pub(super) async fn wait_for_gpu_memory(&self, sub: &Submission, queued_at: Instant, cancel: &CancelSignal) -> GpuWait {
+    pub(super) async fn wait_for_gpu_memory(&self, sub: &Submission, queued_at: Instant, preempted: bool, cancel: &CancelSignal) -> GpuWait {
         let inner = &self.inner;
         let needs = self.planner().footprint(RequestShape::of(&sub.run.request)).request_bytes();
         let max_wait = Duration::from_millis(sub.allow.max_wait_ms.unwrap_or(inner.memory.max_queue_wait_ms));
@@ -142,7 +142,7 @@ impl Dispatcher {
             if let Some(r) = self.try_grant_gpu(&sub.run.request_id, needs) {
                 return GpuWait::Run(Some(r));
             }
-            if queued_at.elapsed() >= max_wait {
+            if queued_at.elapsed() >= max_wait && !preempted {
                 return GpuWait::Leave {
                     why: format!("waited {} ms for GPU memory that did not free", queued_at.elapsed().as_millis()),
                     cpu_allowed: sub.allow.cpu && inner.memory.allow_cpu_redirect,

@@ -1,6 +1,7 @@
 //! Running an admitted request from its queue to its end: a slot in its lane (and on the GPU its
 //! memory), an attempt, and on a GPU failure the failover journaled at once and the request moved
-//! into the CPU queue for its next attempt.
+//! into the CPU queue for its next attempt; a request preempted on the GPU that may not use the
+//! CPU waits in the GPU queue instead.
 
 use tokio::sync::SemaphorePermit;
 
@@ -23,6 +24,9 @@ struct Execution {
     load_ms: f64,
     /// Defect::FailoverBypassesCpuQueue: the next attempt takes no slot.
     skip_slot: bool,
+    /// Preempted on the GPU, back in its queue: it waits for memory as long as it takes (the
+    /// requests before it give their blocks back as they end), not the queue's limit.
+    preempted: bool,
 }
 
 impl Dispatcher {
@@ -45,6 +49,7 @@ impl Dispatcher {
             queued_ms: 0.0,
             load_ms: 0.0,
             skip_slot: false,
+            preempted: false,
         };
         loop {
             let lane = if x.on_gpu { &self.inner.gpu } else { &*self.inner.cpu };
@@ -65,7 +70,7 @@ impl Dispatcher {
             // not free memory. If it does not come within the queue wait, or the GPU goes away,
             // the request moves to the CPU queue.
             if x.on_gpu && x.gpu_grant.is_none() {
-                match self.wait_for_gpu_memory(&sub, queued_at, &cancel).await {
+                match self.wait_for_gpu_memory(&sub, queued_at, x.preempted, &cancel).await {
                     GpuWait::Run(grant) => x.gpu_grant = grant,
                     GpuWait::Cancelled => return Err(self.end_in_queue(lane, &x.id, shape.prompt_tokens, shape.max_tokens, Ended::Cancelled)),
                     GpuWait::Leave { why, cpu_allowed: false } => {
@@ -173,7 +178,8 @@ impl Dispatcher {
     }
 
     /// The GPU failed the request: journal the failover at once, then move the request into the
-    /// CPU queue (its failover room) for the next attempt — unless it does not allow the CPU.
+    /// CPU queue (its failover room) for the next attempt — unless it does not allow the CPU: then
+    /// a preempted request goes back to the GPU queue, and any other failure ends it.
     async fn fail_over(
         &self,
         sub: &Submission,
@@ -184,21 +190,32 @@ impl Dispatcher {
         events: &mpsc::UnboundedSender<StreamEvent>,
     ) -> Result<(), Ended> {
         let metrics = &self.inner.metrics;
-        metrics.failovers.get_or_create(&FailoverLabels { from: from.label(), to: Device::Cpu.label() }).inc();
+        // A preemption is the GPU making room, not failing: a request that may not use the CPU
+        // waits in the GPU queue for the blocks the requests before it give back as they end,
+        // and resumes there from its checkpoint.
+        let back_to_gpu = kind == FailureKind::Preempted && !sub.allow.cpu && !self.has_defect(Defect::PreemptedGpuOnlyEnds);
+        let to = if back_to_gpu { from } else { Device::Cpu };
+        if !back_to_gpu {
+            metrics.failovers.get_or_create(&FailoverLabels { from: from.label(), to: to.label() }).inc();
+        }
         if resumed_after_tokens > 0 { metrics.resumes.inc() } else { metrics.replays.inc() };
         if kind == FailureKind::Preempted {
             metrics.preemptions.inc();
         }
         x.attempt += 1;
         let next = if resumed_after_tokens > 0 {
-            Transition::Resumed { to: Device::Cpu, attempt: x.attempt, after_tokens: resumed_after_tokens }
+            Transition::Resumed { to, attempt: x.attempt, after_tokens: resumed_after_tokens }
         } else {
-            Transition::Replayed { to: Device::Cpu, attempt: x.attempt }
+            Transition::Replayed { to, attempt: x.attempt }
         };
         let journaled = self.journal_step(&x.id, &Transition::AttemptFailed { device: from, kind, detail: reason.clone() }).and_then(|()| self.journal_step(&x.id, &next));
         if let Err(e) = journaled {
             self.count_end(lane.lane.as_str(), "failed");
             return Err(journal_failure(&e));
+        }
+        if back_to_gpu {
+            x.preempted = true;
+            return self.join_queue(lane, &x.id, x.shape, events, &reason);
         }
         if !sub.allow.cpu {
             let detail = format!("{reason}; the request does not allow the CPU (allow_cpu: false), so it ends here; retry it");

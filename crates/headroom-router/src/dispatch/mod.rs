@@ -112,6 +112,9 @@ pub enum Defect {
     RestartingModelUncounted,
     /// A CPU worker shared by several models counts its host RAM once per model.
     SharedCpuCountedTwice,
+    /// A request preempted on the GPU that does not allow the CPU ends there, instead of
+    /// waiting in the GPU queue to resume.
+    PreemptedGpuOnlyEnds,
 }
 
 /// A request that has been launched and has not ended.

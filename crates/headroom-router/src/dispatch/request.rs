@@ -266,17 +266,10 @@ impl Dispatcher {
     /// (waiting for it if the host is short, cancellable).
     pub(super) async fn join_cpu_after_gpu(&self, id: &str, shape: RequestShape, cancel: &CancelSignal, events: &mpsc::UnboundedSender<StreamEvent>, why: &str) -> Result<Reservation, Ended> {
         let lane = &*self.inner.cpu;
-        let ahead = lane.waiting.fetch_add(1, Ordering::SeqCst) + lane.running.load(Ordering::SeqCst);
-        if lane.waiting.load(Ordering::SeqCst) > lane.capacity + lane.failover_room.load(Ordering::SeqCst) {
+        if lane.waiting.load(Ordering::SeqCst) + 1 > lane.capacity + lane.failover_room.load(Ordering::SeqCst) {
             tracing::error!(request_id = id, "the CPU queue holds more than its capacity and failover room; the GPU lane outgrew its bound");
         }
-        lane.join(id, shape.prompt_tokens, shape.max_tokens);
-        self.queue_changed(lane);
-        let _ = events.send(StreamEvent::Waiting(WaitNotice { queue: lane.lane, reason: why.to_string(), ahead, estimated_delay_ms: lane.estimated_delay_ms() }));
-        if let Err(e) = self.journal_step(id, &Transition::Queued { device: lane.lane }) {
-            lane.forget(id);
-            return Err(self.end_in_queue(lane, id, shape.prompt_tokens, shape.max_tokens, journal_failure(&e)));
-        }
+        self.join_queue(lane, id, shape, events, why)?;
         let bytes = self.planner().host_footprint(shape).request_bytes();
         loop {
             match self.inner.host_ledger().try_reserve(id, bytes) {
@@ -291,6 +284,20 @@ impl Dispatcher {
                 }
             }
         }
+    }
+
+    /// A request that ran moves into `lane`'s queue (told to the client and journaled) for its
+    /// next attempt.
+    pub(super) fn join_queue(&self, lane: &LaneQueue, id: &str, shape: RequestShape, events: &mpsc::UnboundedSender<StreamEvent>, why: &str) -> Result<(), Ended> {
+        let ahead = lane.waiting.fetch_add(1, Ordering::SeqCst) + lane.running.load(Ordering::SeqCst);
+        lane.join(id, shape.prompt_tokens, shape.max_tokens);
+        self.queue_changed(lane);
+        let _ = events.send(StreamEvent::Waiting(WaitNotice { queue: lane.lane, reason: why.to_string(), ahead, estimated_delay_ms: lane.estimated_delay_ms() }));
+        if let Err(e) = self.journal_step(id, &Transition::Queued { device: lane.lane }) {
+            lane.forget(id);
+            return Err(self.end_in_queue(lane, id, shape.prompt_tokens, shape.max_tokens, journal_failure(&e)));
+        }
+        Ok(())
     }
 
     /// Ends a request that never left `lane`'s queue: frees its place, journals why (a queued
