@@ -49,39 +49,44 @@ fn quants_at(ty: GgmlType) -> usize {
     }
 }
 
-/// Repacks rows `w` (a multiple of 8 of them, `row_bytes` bytes each, whole blocks of `ty`) into
+/// Calls `each(at in the block, at in the record, flip)` for every byte of lane `lane`'s `ty`
+/// block: the record holds it `^ flip` (Q8_0's quants are stored + 128, which is flipping the
+/// top bit, both ways). Repacking and reading a row back both go by it.
+fn moved_bytes(ty: GgmlType, lane: usize, mut each: impl FnMut(usize, usize, u8)) {
+    let q = quants_at(ty);
+    (0..2).for_each(|i| each(i, 2 * lane + i, 0));
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q4_1 => {
+            let packed = if ty == GgmlType::Q4_1 {
+                (0..2).for_each(|i| each(2 + i, 2 * GROUP + 2 * lane + i, 0));
+                4
+            } else {
+                2
+            };
+            for h in 0..4 {
+                (0..4).for_each(|j| each(packed + 4 * h + j, q + 4 * GROUP * h + 4 * lane + j, 0));
+            }
+        }
+        _ => {
+            for g in 0..8 {
+                (0..4).for_each(|j| each(2 + 4 * g + j, q + 4 * GROUP * g + 4 * lane + j, 0x80));
+            }
+        }
+    }
+}
+
+/// Repacks rows `w` (whole groups of 16, `row_bytes` bytes each, whole blocks of `ty`) into
 /// records, in `out` (as long as `w`).
 pub fn interleave(ty: GgmlType, w: &[u8], row_bytes: usize, out: &mut [u8]) {
     let rec = record_bytes(ty).expect("a 32-value type");
     let size = ty.block_bytes();
     let blocks = row_bytes / size;
     assert!(w.len() % (GROUP * row_bytes) == 0 && out.len() == w.len(), "whole groups of {GROUP} rows");
-    let q = quants_at(ty);
     for (r, row) in w.chunks_exact(row_bytes).enumerate() {
         let (group, lane) = (r / GROUP, r % GROUP);
         for (i, b) in row.chunks_exact(size).enumerate() {
             let o = &mut out[(group * blocks + i) * rec..][..rec];
-            o[2 * lane..2 * lane + 2].copy_from_slice(&b[0..2]);
-            match ty {
-                GgmlType::Q4_0 | GgmlType::Q4_1 => {
-                    let packed = if ty == GgmlType::Q4_1 {
-                        o[2 * GROUP + 2 * lane..2 * GROUP + 2 * lane + 2].copy_from_slice(&b[2..4]);
-                        &b[4..20]
-                    } else {
-                        &b[2..18]
-                    };
-                    for h in 0..4 {
-                        o[q + 4 * GROUP * h + 4 * lane..][..4].copy_from_slice(&packed[4 * h..4 * h + 4]);
-                    }
-                }
-                _ => {
-                    for g in 0..8 {
-                        for j in 0..4 {
-                            o[q + 4 * GROUP * g + 4 * lane + j] = b[2 + 4 * g + j] ^ 0x80;
-                        }
-                    }
-                }
-            }
+            moved_bytes(ty, lane, |at, to, flip| o[to] = b[at] ^ flip);
         }
     }
 }
@@ -91,32 +96,11 @@ pub fn row(ty: GgmlType, records: &[u8], row_bytes: usize, r: usize) -> Vec<u8> 
     let rec = record_bytes(ty).expect("a 32-value type");
     let size = ty.block_bytes();
     let blocks = row_bytes / size;
-    let q = quants_at(ty);
     let (group, lane) = (r / GROUP, r % GROUP);
     let mut out = vec![0u8; row_bytes];
     for (i, b) in out.chunks_exact_mut(size).enumerate() {
         let o = &records[(group * blocks + i) * rec..][..rec];
-        b[0..2].copy_from_slice(&o[2 * lane..2 * lane + 2]);
-        match ty {
-            GgmlType::Q4_0 | GgmlType::Q4_1 => {
-                let at = if ty == GgmlType::Q4_1 {
-                    b[2..4].copy_from_slice(&o[2 * GROUP + 2 * lane..2 * GROUP + 2 * lane + 2]);
-                    4
-                } else {
-                    2
-                };
-                for h in 0..4 {
-                    b[at + 4 * h..at + 4 * h + 4].copy_from_slice(&o[q + 4 * GROUP * h + 4 * lane..][..4]);
-                }
-            }
-            _ => {
-                for g in 0..8 {
-                    for j in 0..4 {
-                        b[2 + 4 * g + j] = o[q + 4 * GROUP * g + 4 * lane + j] ^ 0x80;
-                    }
-                }
-            }
-        }
+        moved_bytes(ty, lane, |at, from, flip| b[at] = o[from] ^ flip);
     }
     out
 }
