@@ -147,28 +147,9 @@ pub(super) struct Query<'a> {
 /// sequence computes the same bits alone, in a batch, and in a prefill.
 const PIECE: usize = 16 * KEY_BLOCK;
 
-/// Items whose partial results one pass holds at most: a long prefill's would otherwise take
-/// several times the memory of its output (1536 tokens of SmolLM2: ~13 MB).
-const ITEMS_PER_PASS: usize = 512;
-
 /// Causal attention of every token's query heads `q` (`[tokens, nh, d]`) over what its
-/// [`Query`] sees, into `out` (`[tokens, nh, d]`), in passes of whole tokens.
+/// [`Query`] sees, into `out` (`[tokens, nh, d]`).
 pub(super) fn attend(queries: &[Query], nh: usize, kvh: usize, d: usize, q: &[f32], out: &mut [f32], team: &Team) {
-    let mut first = 0;
-    while first < queries.len() {
-        let (mut last, mut items) = (first, 0);
-        while last < queries.len() && (last == first || items + kvh * queries[last].seen.div_ceil(PIECE) <= ITEMS_PER_PASS) {
-            items += kvh * queries[last].seen.div_ceil(PIECE);
-            last += 1;
-        }
-        let rows = first * nh * d..last * nh * d;
-        attend_pass(&queries[first..last], nh, kvh, d, &q[rows.clone()], &mut out[rows], team);
-        first = last;
-    }
-}
-
-/// One pass of [`attend`].
-fn attend_pass(queries: &[Query], nh: usize, kvh: usize, d: usize, q: &[f32], out: &mut [f32], team: &Team) {
     let rep = nh / kvh;
     // One item per token, KV head and piece, in that order; each gives its `rep` heads' partial
     // results (`[rep][2 + d]`, see `attend_piece`).
@@ -823,13 +804,13 @@ mod tests {
         let (cache, layout) = blocks(d, positions, false, key, value);
         let q: Vec<f32> = (0..rep * d).map(|i| ((i * 29 % 19) as f32 - 9.0) / 4.0).collect();
         let query = |seen: usize| Query { blocks: &cache, layout, layer: 0, seen };
-        let alone = |seen: usize, q: &[f32]| {
+        let alone = |seen: usize| {
             let mut out = vec![0f32; rep * d];
-            attend(&[query(seen)], rep, 1, d, q, &mut out, &Team::solo());
+            attend(&[query(seen)], rep, 1, d, &q, &mut out, &Team::solo());
             out
         };
         for seen in [1, PIECE, PIECE + 1, positions] {
-            let got = alone(seen, &q);
+            let got = alone(seen);
             for h in 0..rep {
                 let scores: Vec<f64> = (0..seen).map(|p| (0..d).map(|c| q[h * d + c] as f64 * key(p, c) as f64).sum::<f64>() / (d as f64).sqrt()).collect();
                 let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -842,18 +823,14 @@ mod tests {
                 }
             }
         }
-        // A prefill's queries of one sequence, together on the team, in more than one pass
-        // (ITEMS_PER_PASS): each gets the bits it gets alone on one thread.
-        let seens: Vec<usize> = [300, 600].into_iter().chain((0..200).map(|i| positions - 200 + i)).collect();
-        assert!(seens.iter().map(|s| s.div_ceil(PIECE)).sum::<usize>() > ITEMS_PER_PASS);
-        // Each query its own: a query's heads scaled by its place.
-        let qs: Vec<f32> = (0..seens.len()).flat_map(|i| q.iter().map(move |v| v * (1.0 + i as f32 / 64.0))).collect();
+        // Queries of one sequence seeing 300, 600 and every position (a prefill's), together
+        // on the team: each gets the bits it gets alone on one thread.
+        let seens = [300, 600, positions];
+        let qs: Vec<f32> = seens.iter().flat_map(|_| q.iter().copied()).collect();
         let mut together = vec![0f32; seens.len() * rep * d];
-        let queries: Vec<Query> = seens.iter().map(|&seen| query(seen)).collect();
-        Team::run(|team| attend(&queries, rep, 1, d, &qs, &mut together, team));
+        Team::run(|team| attend(&seens.map(query), rep, 1, d, &qs, &mut together, team));
         for (i, &seen) in seens.iter().enumerate() {
-            let rows = i * rep * d..(i + 1) * rep * d;
-            assert_eq!(together[rows.clone()], alone(seen, &qs[rows])[..], "query {i}, seen {seen}");
+            assert_eq!(together[i * rep * d..(i + 1) * rep * d], alone(seen)[..], "seen {seen}");
         }
     }
 }
