@@ -880,13 +880,9 @@ fn preempted(journal: &Journal, id: &str) -> bool {
     journal.transitions(id).unwrap_or_default().iter().any(|t| matches!(&t.transition, Transition::AttemptFailed { kind: headroom_worker::FailureKind::Preempted, .. }))
 }
 
-/// Overcommit's promise: requests admitted on a quarter of their KV blocks run the pool dry,
-/// the newest are preempted (journaled, resumed on the CPU from their checkpoints), the GPU
-/// worker is then killed with its slots full, and nothing accepted is lost: every request ends
-/// with all its tokens, the same tokens (one prompt, one seed) wherever it ran.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_overcommitted_gpu_that_runs_dry_and_dies_loses_no_request() {
-    let (d, e) = overcommitted_gpu_run_dry_then_killed(Vec::new()).await;
+/// The overcommit runs' common outcome: none of the 8 lost, each with all its tokens, the same
+/// tokens (one prompt, one seed) wherever it ran, and at least one preempted. Gives those ids.
+fn none_lost_alike_some_preempted(d: &Dispatcher, e: &Ends) -> Vec<String> {
     assert!(e.lost.is_empty(), "lost after acceptance: {:?}", e.lost);
     assert_eq!(e.completed.len(), 8);
     let first = &e.completed[0].outcome.tokens;
@@ -894,6 +890,17 @@ async fn an_overcommitted_gpu_that_runs_dry_and_dies_loses_no_request() {
     assert!(e.completed.iter().all(|c| &c.outcome.tokens == first), "a preempted or failed-over request's tokens are those it would have made");
     let preempted_ids: Vec<String> = (0..8).map(|i| format!("oc-{i}")).filter(|id| preempted(d.journal(), id)).collect();
     assert!(!preempted_ids.is_empty(), "the pool ran dry: at least one request was preempted");
+    preempted_ids
+}
+
+/// Overcommit's promise: requests admitted on a quarter of their KV blocks run the pool dry,
+/// the newest are preempted (journaled, resumed on the CPU from their checkpoints), the GPU
+/// worker is then killed with its slots full, and nothing accepted is lost: every request ends
+/// with all its tokens, the same tokens (one prompt, one seed) wherever it ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overcommitted_gpu_that_runs_dry_and_dies_loses_no_request() {
+    let (d, e) = overcommitted_gpu_run_dry_then_killed(Vec::new()).await;
+    let preempted_ids = none_lost_alike_some_preempted(&d, &e);
     for id in &preempted_ids {
         let steps: Vec<Transition> = d.journal().transitions(id).unwrap().into_iter().map(|t| t.transition).collect();
         assert!(steps.iter().any(|t| matches!(t, Transition::Queued { device } if *device == Lane::Cpu)), "{id} went to the CPU queue: {steps:?}");
@@ -912,13 +919,7 @@ async fn an_overcommitted_gpu_that_runs_dry_and_dies_loses_no_request() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gpu_only_request_preempted_by_a_dry_pool_resumes_on_the_gpu() {
     let (d, e) = overcommitted_gpu_run_dry(Vec::new(), false, None).await;
-    assert!(e.lost.is_empty(), "lost after acceptance: {:?}", e.lost);
-    assert_eq!(e.completed.len(), 8);
-    let first = &e.completed[0].outcome.tokens;
-    assert_eq!(first.len(), OVERCOMMIT_TOKENS);
-    assert!(e.completed.iter().all(|c| &c.outcome.tokens == first), "a preempted request's tokens are those it would have made");
-    let preempted_ids: Vec<String> = (0..8).map(|i| format!("oc-{i}")).filter(|id| preempted(d.journal(), id)).collect();
-    assert!(!preempted_ids.is_empty(), "the pool ran dry: at least one request was preempted");
+    let preempted_ids = none_lost_alike_some_preempted(&d, &e);
     for c in &e.completed {
         assert!(c.outcome.device.is_gpu(), "{} finished on the GPU: {}", c.outcome.request_id, c.outcome.device);
     }

@@ -411,9 +411,9 @@ macro_rules! compiled_for {
 compiled_for!(wide, "avx512f,avx2,fma,f16c");
 compiled_for!(narrow, "avx2,fma,f16c");
 
-// The loops ask for the lines of the page after the one they read: each block is an
-// allocation of its own, where the hardware's prefetcher, which stops at every 4 KiB page,
-// cannot follow.
+// The loops ask for the lines of pages ahead of the one they read (the key loops two on, the
+// value loops the next): each block is an allocation of its own, where the hardware's
+// prefetcher, which stops at every 4 KiB page, cannot follow.
 
 #[inline(always)]
 fn scores_body<L: Lanes>(pages: &[L], q: &[f32], d: usize, scores: &mut [f32], stride: usize) {

@@ -154,17 +154,25 @@ pub fn scalar(ty: GgmlType, records: &[u8], a: &[&[Q8x32]], out: &mut [[f32; GRO
     }
 }
 
-/// A SIMD kernel's call checked: every token has an activation block per record. Gives the
-/// records' count and the type's `(record bytes, where its quants start, its quants' offset)`.
+/// A repacked kernel's call checked, here and in [`super::interleave_k`]: whole records of
+/// `rec` bytes, 1 to [`TOKENS`] tokens, each with an activation block per record. Gives the
+/// records' count.
 #[cfg(target_arch = "x86_64")]
-fn checked_layout(ty: GgmlType, records: &[u8], a: &[&[Q8x32]]) -> (usize, (usize, usize, i32)) {
-    let rec = record_bytes(ty).expect("a 32-value type");
+pub(super) fn checked_blocks<A>(rec: usize, records: &[u8], a: &[&[A]]) -> usize {
     let blocks = records.len() / rec;
     assert_eq!(records.len(), blocks * rec);
     assert!((1..=TOKENS).contains(&a.len()), "1 to {TOKENS} tokens per call, not {}", a.len());
     for a in a {
         assert!(a.len() >= blocks);
     }
+    blocks
+}
+
+/// A SIMD kernel's call checked ([`checked_blocks`]). Gives the records' count and the type's `(record bytes, where its quants start, its quants' offset)`.
+#[cfg(target_arch = "x86_64")]
+fn checked_layout(ty: GgmlType, records: &[u8], a: &[&[Q8x32]]) -> (usize, (usize, usize, i32)) {
+    let rec = record_bytes(ty).expect("a 32-value type");
+    let blocks = checked_blocks(rec, records, a);
     let offset = match combine32(ty) {
         Some(Combine32::Offset(offset)) => offset,
         _ => 0,

@@ -242,18 +242,11 @@ pub fn scalar(ty: GgmlType, records: &[u8], a: &[&[Q8x256]], out: &mut [[f32; GR
     }
 }
 
-/// A SIMD kernel's call checked: every token has an activation block per record. Gives the
-/// records' count.
+/// A SIMD kernel's call checked ([`super::interleave::checked_blocks`]). Gives the records'
+/// count.
 #[cfg(target_arch = "x86_64")]
 fn checked_blocks(ty: GgmlType, records: &[u8], a: &[&[Q8x256]]) -> usize {
-    let rec = record_bytes(ty).expect("a repacked K-quant");
-    let blocks = records.len() / rec;
-    assert_eq!(records.len(), blocks * rec);
-    assert!((1..=TOKENS).contains(&a.len()), "1 to {TOKENS} tokens per call, not {}", a.len());
-    for a in a {
-        assert!(a.len() >= blocks);
-    }
-    blocks
+    super::interleave::checked_blocks(record_bytes(ty).expect("a repacked K-quant"), records, a)
 }
 
 /// The rows' 6-bit scales and mins of a Q4_K or Q5_K record, a byte per row, from its 12
