@@ -278,6 +278,10 @@ impl Server {
     }
 }
 
+/// Requests a GPU worker runs at once: the worker's default `max_concurrency`, which the
+/// harness leaves as it is (checked against the server's status).
+const GPU_SLOTS: u64 = 4;
+
 /// Sim capacity and reserve chosen from the same planner the server uses, so that short
 /// requests fit on the GPU and a long prompt never does.
 #[derive(Debug, Clone, Serialize)]
@@ -299,15 +303,21 @@ fn plan_sizing(bundle: &ModelBundle, short_tokens: usize, long_tokens: usize, ma
     let bytes = |prompt: usize| planner.footprint(RequestShape { prompt_tokens: prompt as u64, max_tokens: max_tokens as u64, prefill_chunk: chunk }).request_bytes();
     let (short, long) = (bytes(short_tokens), bytes(long_tokens));
     let weights = ModelShape::from_config(&bundle.config).weights_bytes();
-    // The router gives requests capacity − reserve − weights; aim between a short and a long one.
+    // The router gives requests capacity − reserve − weights. That room holds the GPU's slots
+    // of short requests and one more waiting for a slot: admission grants a request its memory
+    // before it queues for a slot, so without it the next request goes to the CPU and the slots
+    // never fill with requests queued behind them. Aim between a short and a long one where
+    // that is more.
     let reserve_mib = 64;
-    let sim_vram_mib = (weights + (short + long) / 2) / MIB + reserve_mib;
+    let full = (GPU_SLOTS + 1) * short;
+    let sim_vram_mib = (weights + full).div_ceil(MIB).max((weights + (short + long) / 2) / MIB) + reserve_mib;
     let room = (sim_vram_mib - reserve_mib) * MIB - weights;
-    if room < short || room >= long {
+    if room < full || room >= long {
         bail!(
-            "a {long_tokens}-token prompt needs {:.1} MiB and a short one {:.1} MiB: too close to size a GPU (in whole MiB) that holds one and not the other; use a model whose KV cache grows faster",
+            "a {long_tokens}-token prompt needs {:.1} MiB and {} short ones {:.1} MiB: too close to size a GPU (in whole MiB) that holds the short ones and not the long one; use a model whose KV cache grows faster",
             long as f64 / MIB as f64,
-            short as f64 / MIB as f64
+            GPU_SLOTS + 1,
+            full as f64 / MIB as f64
         );
     }
     Ok(Sizing {
@@ -364,9 +374,12 @@ const OVERCOMMIT: f64 = 4.0;
 const OVERCOMMIT_TOKENS: u32 = 96;
 
 /// A sim GPU for the KV-overcommit scenario: room (after weights and the reserve) for the
-/// reservations of `slots` short requests under [`OVERCOMMIT`] and about one block more (whole
-/// MiB), so the pool runs dry as they write past their reservations. None where the MiB
-/// rounding leaves room for all of their blocks (the pool could not run dry).
+/// reservations of `slots` short requests under [`OVERCOMMIT`], one more waiting for a slot
+/// (admission grants a request's memory before it queues for a slot: without it the next
+/// request goes to the CPU and the slots never fill with requests queued behind them), and
+/// about one block more (whole MiB), so the pool runs dry as the running ones write past their
+/// reservations. None where the MiB rounding leaves room for all of their blocks (the pool
+/// could not run dry).
 fn overcommit_sizing(bundle: &ModelBundle, sizing: &Sizing, short_tokens: usize, slots: u64) -> Option<Sizing> {
     let memory = MemoryConfig { vram_reserve_mib: Some(sizing.reserve_mib), kv_overcommit: OVERCOMMIT, ..MemoryConfig::default() };
     let (planner, _) = headroom_memory::planner_for(bundle, "cpu", memory);
@@ -374,11 +387,13 @@ fn overcommit_sizing(bundle: &ModelBundle, sizing: &Sizing, short_tokens: usize,
     let footprint = planner.footprint(RequestShape { prompt_tokens: short_tokens as u64, max_tokens: OVERCOMMIT_TOKENS as u64, prefill_chunk: chunk });
     let block = planner.kv_block_bytes();
     let weights = ModelShape::from_config(&bundle.config).weights_bytes();
-    let reserved = slots * footprint.request_bytes();
+    let reserved = (slots + 1) * footprint.request_bytes();
     let sim_vram_mib = (weights + reserved + block).div_ceil(MIB) + sizing.reserve_mib;
     let spare = (sim_vram_mib - sizing.reserve_mib) * MIB - weights - reserved;
     let growth = slots * (footprint.tokens.div_ceil(16) - footprint.kv_tokens.div_ceil(16)) * block;
-    (spare < growth).then(|| Sizing {
+    // The request waiting for a slot holds no blocks yet: the running ones may write into its
+    // reservation too.
+    (spare + footprint.request_bytes() < growth).then(|| Sizing {
         sim_vram_mib,
         room_mib: (reserved + spare) as f64 / MIB as f64,
         short_request_mib: footprint.request_bytes() as f64 / MIB as f64,
@@ -1060,6 +1075,10 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
 
     let server = Server::start(model_dir, args.gpu, sizing.as_ref(), &out.join("server"), &[]).await?;
     let server_pid = server.child.id().context("the server exited")?;
+    let slots = server.status().await?["queues"].as_array().into_iter().flatten().find(|q| q["device"] == "gpu").and_then(|q| q["concurrency"].as_u64());
+    if slots.is_some_and(|n| n != GPU_SLOTS) {
+        bail!("the server's GPU worker runs {} requests at once; the harness sizes its sim GPUs for {GPU_SLOTS}", slots.unwrap_or(0));
+    }
     let timeline: SharedTimeline = Arc::default();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let watchers = watch(&server, server_pid, clock.clone(), timeline.clone(), stop_rx.clone());
@@ -1339,7 +1358,7 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
     // newest are preempted to the CPU queue, and once one was, the GPU worker is killed at full
     // load too.
     let mut overcommit_run: Option<(u64, u64, f64)> = None;
-    let overcommit = if let (true, Some(s)) = (sim, &sizing) { overcommit_sizing(bundle, s, short_tokens, 4) } else { None };
+    let overcommit = if let (true, Some(s)) = (sim, &sizing) { overcommit_sizing(bundle, s, short_tokens, GPU_SLOTS) } else { None };
     match &overcommit {
         Some(oc) => {
             let ratio = OVERCOMMIT.to_string();
