@@ -1,11 +1,12 @@
 //! Causal attention over the CPU KV cache, and the vector `exp` it and SiLU share.
 //!
-//! One work item is a token and a KV head: the query heads sharing that KV head (grouped-query
-//! attention: 3 in SmolLM2) score the keys and sum the values together, so each key and value is
-//! read once per group instead of once per query head. Keys are stored a block of
-//! [`KEY_BLOCK`] positions at a time with the position innermost (`[head_dim][KEY_BLOCK]`): one
-//! vector multiply-add scores 16 positions against one query value, and no sum ever crosses
-//! vector lanes. Values stay one row per position; a head's output is summed in registers,
+//! One work item is a token, a KV head and a piece of up to [`PIECE`] positions: the query heads
+//! sharing that KV head (grouped-query attention: 3 in SmolLM2) score the piece's keys and sum
+//! its values together, so each key and value is read once per group instead of once per query
+//! head; the pieces' results are then combined, so one token's long context keeps every thread
+//! busy. Keys are stored a block of [`KEY_BLOCK`] positions at a time with the position
+//! innermost (`[head_dim][KEY_BLOCK]`): one vector multiply-add scores 16 positions against one
+//! query value, and no sum ever crosses vector lanes. Values stay one row per position; a head's output is summed in registers,
 //! 64 values at a time, over every row.
 //!
 //! The cache is paged: a sequence holds a table of blocks ([`KvBlock`]), each [`KEY_BLOCK`]
@@ -16,9 +17,9 @@
 //!
 //! Every sum is a fixed set of fused multiply-add chains added in a fixed order (a score: four
 //! chains over the dimensions; an output: even and odd positions), the same whatever vector
-//! width computes it: an item's result depends only on its query, the cache and how many
-//! positions it sees, so a sequence computes the same in a batch as alone, and in a prefill as
-//! token by token.
+//! width computes it, and the pieces are combined in order: a token's result depends only on
+//! its query, the cache and how many positions it sees, so a sequence computes the same in a
+//! batch as alone, and in a prefill as token by token.
 
 use std::sync::Arc;
 
@@ -139,42 +140,101 @@ pub(super) struct Query<'a> {
     pub seen: usize,
 }
 
+/// Positions one piece of a query's attention covers at most. A long context is split into
+/// pieces, each scored and summed on its own (on any of the team's threads), then combined in
+/// order: a token's attention spreads over every thread even when its KV heads are fewer than
+/// the threads (SmolLM2 has 3). The split depends only on how many positions a query sees, so a
+/// sequence computes the same bits alone, in a batch, and in a prefill.
+const PIECE: usize = 16 * KEY_BLOCK;
+
+/// Items whose partial results one pass holds at most: a long prefill's would otherwise take
+/// several times the memory of its output (1536 tokens of SmolLM2: ~13 MB).
+const ITEMS_PER_PASS: usize = 512;
+
 /// Causal attention of every token's query heads `q` (`[tokens, nh, d]`) over what its
-/// [`Query`] sees, into `out` (`[tokens, nh, d]`).
+/// [`Query`] sees, into `out` (`[tokens, nh, d]`), in passes of whole tokens.
 pub(super) fn attend(queries: &[Query], nh: usize, kvh: usize, d: usize, q: &[f32], out: &mut [f32], team: &Team) {
-    let rep = nh / kvh;
-    let per_item = |item: usize, out: &mut [f32]| {
-        let (token, g) = (item / kvh, item % kvh);
-        let heads = (token * nh + g * rep) * d..(token * nh + (g + 1) * rep) * d;
-        attend_group(&queries[token], g, rep, d, &q[heads], out);
-    };
-    // A short context is too little work to hand out.
-    let work: usize = queries.iter().map(|query| nh * query.seen * d).sum();
-    let items = queries.len() * kvh;
-    if work >= 64 * 1024 {
-        let shared = SharedPtr(out.as_mut_ptr());
-        // SAFETY: item i writes its own `rep * d` values.
-        team.for_each(items, |i| per_item(i, unsafe { shared.slice(i * rep * d, rep * d) }));
-    } else {
-        out.chunks_mut(rep * d).enumerate().for_each(|(i, o)| per_item(i, o));
+    let mut first = 0;
+    while first < queries.len() {
+        let (mut last, mut items) = (first, 0);
+        while last < queries.len() && (last == first || items + kvh * queries[last].seen.div_ceil(PIECE) <= ITEMS_PER_PASS) {
+            items += kvh * queries[last].seen.div_ceil(PIECE);
+            last += 1;
+        }
+        let rows = first * nh * d..last * nh * d;
+        attend_pass(&queries[first..last], nh, kvh, d, &q[rows.clone()], &mut out[rows], team);
+        first = last;
     }
 }
 
-/// The `rep` query heads of KV head `g` (`q`: `[rep, d]`) attend over the first `seen`
-/// positions, into `out` (`[rep, d]`).
-fn attend_group(query: &Query, g: usize, rep: usize, d: usize, q: &[f32], out: &mut [f32]) {
-    let (layout, seen, simd) = (query.layout, query.seen, vectors());
-    let blocks = &query.blocks[..seen.div_ceil(KEY_BLOCK)];
+/// One pass of [`attend`].
+fn attend_pass(queries: &[Query], nh: usize, kvh: usize, d: usize, q: &[f32], out: &mut [f32], team: &Team) {
+    let rep = nh / kvh;
+    // One item per token, KV head and piece, in that order; each gives its `rep` heads' partial
+    // results (`[rep][2 + d]`, see `attend_piece`).
+    let (stride, scale, simd) = (rep * (2 + d), 1.0 / (d as f32).sqrt(), vectors());
+    let items: Vec<(usize, usize, usize)> = queries
+        .iter()
+        .enumerate()
+        .flat_map(|(t, query)| (0..kvh).flat_map(move |g| (0..query.seen.div_ceil(PIECE)).map(move |piece| (t, g, piece))))
+        .collect();
+    let mut parts = vec![0f32; items.len() * stride];
+    let per_item = |i: usize, part: &mut [f32]| {
+        let (t, g, piece) = items[i];
+        let heads = (t * nh + g * rep) * d..(t * nh + (g + 1) * rep) * d;
+        attend_piece(&queries[t], g, piece, (rep, d, scale), &q[heads], part);
+    };
+    // Each token and KV head's pieces, combined into its heads' outputs.
+    let mut groups = Vec::with_capacity(queries.len() * kvh);
+    let mut first = 0;
+    for query in queries {
+        let pieces = query.seen.div_ceil(PIECE);
+        for _ in 0..kvh {
+            groups.push(first..first + pieces);
+            first += pieces;
+        }
+    }
+    let combine_group = |parts: &[f32], group: usize, out: &mut [f32]| {
+        simd.combine(&parts[groups[group].start * stride..groups[group].end * stride], d, scale, out)
+    };
+    // A short context is too little work to hand out; so is combining a few pieces (a decode
+    // step's), which costs less than a hand-off to the threads.
+    const HAND_OUT: usize = 64 * 1024;
+    let work: usize = queries.iter().map(|query| nh * query.seen * d).sum();
+    if work >= HAND_OUT {
+        let shared = SharedPtr(parts.as_mut_ptr());
+        // SAFETY: item i writes its own `stride` values.
+        team.for_each(items.len(), |i| per_item(i, unsafe { shared.slice(i * stride, stride) }));
+    } else {
+        parts.chunks_mut(stride).enumerate().for_each(|(i, part)| per_item(i, part));
+    }
+    if items.len() * rep * d >= HAND_OUT {
+        let shared = SharedPtr(out.as_mut_ptr());
+        // SAFETY: group i writes its own `rep * d` values.
+        team.for_each(groups.len(), |i| combine_group(&parts, i, unsafe { shared.slice(i * rep * d, rep * d) }));
+    } else {
+        out.chunks_mut(rep * d).enumerate().for_each(|(i, out)| combine_group(&parts, i, out));
+    }
+}
+
+/// Piece `piece` of the attention of the `rep` query heads of KV head `g` (`q`: `[rep, d]`):
+/// for each head, into `part` (`[rep][2 + d]`), the largest score `m` of the piece's
+/// positions, the sum of their `e^((score - m) · scale)`, and the values summed with those
+/// weights.
+fn attend_piece(query: &Query, g: usize, piece: usize, (rep, d, scale): (usize, usize, f32), q: &[f32], part: &mut [f32]) {
+    let (layout, simd) = (query.layout, vectors());
+    let first = piece * PIECE;
+    let seen = (query.seen - first).min(PIECE);
+    let blocks = &query.blocks[first / KEY_BLOCK..(first + seen).div_ceil(KEY_BLOCK)];
     let padded = blocks.len() * KEY_BLOCK;
     let mut scores = vec![0f32; rep * padded];
-    let (keys, part) = (layout.keys_at(query.layer, g), layout.part_len());
-    simd.scores(blocks, keys..keys + part, q, d, &mut scores, padded);
-    let scale = 1.0 / (d as f32).sqrt();
-    for scores in scores.chunks_exact_mut(padded) {
-        simd.softmax(&mut scores[..seen], scale);
-    }
-    for (weights, out) in scores.chunks_exact(padded).zip(out.chunks_exact_mut(d)) {
-        simd.weighted_sum(blocks, keys + part..keys + 2 * part, d, &weights[..seen], out);
+    let (keys, len) = (layout.keys_at(query.layer, g), layout.part_len());
+    simd.scores(blocks, keys..keys + len, q, d, &mut scores, padded);
+    for (weights, part) in scores.chunks_exact_mut(padded).zip(part.chunks_exact_mut(2 + d)) {
+        let (max, sum) = simd.exp_below_max(&mut weights[..seen], scale);
+        part[0] = max;
+        part[1] = sum;
+        simd.weighted_sum(blocks, keys + len..keys + 2 * len, d, &weights[..seen], &mut part[2..]);
     }
 }
 
@@ -356,16 +416,30 @@ impl Vectors {
         }
     }
 
-    /// `x = softmax(scale · x)`.
-    fn softmax(self, x: &mut [f32], scale: f32) {
+    /// `x = e^((x - m) · scale)` with `m` the largest `x`; gives `m` and the sum of the new `x`.
+    fn exp_below_max(self, x: &mut [f32], scale: f32) -> (f32, f32) {
         match self {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: chosen only where the processor has these features.
-            Vectors::Avx512 => unsafe { wide::softmax(x, scale) },
+            Vectors::Avx512 => unsafe { wide::exp_below_max(x, scale) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above.
-            Vectors::Avx2 => unsafe { narrow::softmax(x, scale) },
-            Vectors::Plain => softmax_body(x, scale),
+            Vectors::Avx2 => unsafe { narrow::exp_below_max(x, scale) },
+            Vectors::Plain => exp_below_max_body(x, scale),
+        }
+    }
+
+    /// Each head's output (`out`: `[rep, d]`) from the parts of its pieces (`parts`: per
+    /// piece, per head, `[max, sum, d weighted sums]`).
+    fn combine(self, parts: &[f32], d: usize, scale: f32, out: &mut [f32]) {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: chosen only where the processor has these features.
+            Vectors::Avx512 => unsafe { wide::combine(parts, d, scale, out) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            Vectors::Avx2 => unsafe { narrow::combine(parts, d, scale, out) },
+            Vectors::Plain => combine_body(parts, d, scale, out),
         }
     }
 
@@ -398,12 +472,16 @@ macro_rules! compiled_for {
                 super::weighted_sum_body(pages, d, weights, out)
             }
             #[target_feature(enable = $features)]
+            pub(super) unsafe fn combine(parts: &[f32], d: usize, scale: f32, out: &mut [f32]) {
+                super::combine_body(parts, d, scale, out)
+            }
+            #[target_feature(enable = $features)]
             pub(super) unsafe fn exp(x: &mut [f32]) {
                 super::exp_body(x)
             }
             #[target_feature(enable = $features)]
-            pub(super) unsafe fn softmax(x: &mut [f32], scale: f32) {
-                super::softmax_body(x, scale)
+            pub(super) unsafe fn exp_below_max(x: &mut [f32], scale: f32) -> (f32, f32) {
+                super::exp_below_max_body(x, scale)
             }
         }
     };
@@ -552,10 +630,32 @@ unsafe fn add_row<L: Lanes>(page: L, next: Option<L>, d: usize, at: usize, acc: 
     }
 }
 
-/// Softmax with the maximum and the sum taken 16 lanes at a time (a fixed order, so the same
-/// bits at every width), the exponentials from [`exp_body`].
+/// [`Vectors::combine`]: each piece's weights rescaled to the largest score of all its pieces,
+/// the sums added in piece order.
 #[inline(always)]
-fn softmax_body(x: &mut [f32], scale: f32) {
+fn combine_body(parts: &[f32], d: usize, scale: f32, out: &mut [f32]) {
+    let rep = out.len() / d;
+    let stride = rep * (2 + d);
+    let pieces = parts.len() / stride;
+    let mut factors = vec![0f32; pieces];
+    for (h, out) in out.chunks_exact_mut(d).enumerate() {
+        let part = |piece: usize| &parts[piece * stride + h * (2 + d)..][..2 + d];
+        let max = (0..pieces).fold(f32::NEG_INFINITY, |m, piece| m.max(part(piece)[0]));
+        factors.iter_mut().enumerate().for_each(|(piece, f)| *f = (part(piece)[0] - max) * scale);
+        exp_body(&mut factors);
+        let total = factors.iter().enumerate().fold(0f32, |total, (piece, f)| f.mul_add(part(piece)[1], total));
+        out.fill(0.0);
+        for (piece, f) in factors.iter().enumerate() {
+            let w = f / total;
+            out.iter_mut().zip(&part(piece)[2..]).for_each(|(o, v)| *o = w.mul_add(*v, *o));
+        }
+    }
+}
+
+/// [`Vectors::exp_below_max`] with the maximum and the sum taken 16 lanes at a time (a fixed
+/// order, so the same bits at every width), the exponentials from [`exp_body`].
+#[inline(always)]
+fn exp_below_max_body(x: &mut [f32], scale: f32) -> (f32, f32) {
     let mut lanes = [f32::NEG_INFINITY; 16];
     let mut chunks = x.chunks_exact(16);
     for chunk in chunks.by_ref() {
@@ -573,9 +673,7 @@ fn softmax_body(x: &mut [f32], scale: f32) {
             sums[l] += chunk[l];
         }
     }
-    let total = sums.iter().sum::<f32>() + chunks.remainder().iter().sum::<f32>();
-    let inv = 1.0 / total;
-    x.iter_mut().for_each(|v| *v *= inv);
+    (max, sums.iter().sum::<f32>() + chunks.remainder().iter().sum::<f32>())
 }
 
 /// eˣ as Cephes' `expf` computes it: `x = n·ln 2 + r` with `|r| ≤ ln 2 / 2`, a degree-7
@@ -671,6 +769,14 @@ mod tests {
             scores
         };
         assert_eq!(run(&caches[0], Vectors::Plain), run(&caches[1], vectors()));
+        // Combining pieces: three pieces' parts of `rep` heads.
+        let parts: Vec<f32> = (0..3 * rep * (2 + d)).map(|i| if i % (2 + d) < 2 { 1.0 + (i % 5) as f32 } else { ((i * 41 % 89) as f32 - 44.0) / 9.0 }).collect();
+        let combined = |form: Vectors| {
+            let mut out = vec![0f32; rep * d];
+            form.combine(&parts, d, 0.125, &mut out);
+            out
+        };
+        assert_eq!(combined(Vectors::Plain), combined(vectors()), "{:?}", vectors());
     }
 
     /// Scores and sums over several blocks are the plain dot products and weighted sums, up to
@@ -702,6 +808,52 @@ mod tests {
                 let want: f32 = weights.iter().enumerate().map(|(j, w)| w * value(j, c)).sum();
                 assert_eq!(out[c], want, "d {d} column {c}");
             }
+        }
+    }
+
+    /// Attention over a context of several pieces is exact attention up to rounding, with
+    /// the largest scores in a later piece than the first; and a query's bits depend only on
+    /// what it sees: alone or beside others, on one thread or the team.
+    #[test]
+    fn pieces_combine_into_exact_attention() {
+        let (d, rep, positions) = (64, 3, 3 * PIECE + 37);
+        // Keys along a slow wave, so each piece has its own largest score.
+        let key = |p: usize, c: usize| ((p as f32 / 97.0).sin() * 3.0 + (c % 7) as f32 / 7.0) * if c % 2 == 0 { 1.0 } else { -0.5 };
+        let value = |p: usize, c: usize| (((p * 31 + c * 17) % 23) as f32 - 11.0) / 5.0;
+        let (cache, layout) = blocks(d, positions, false, key, value);
+        let q: Vec<f32> = (0..rep * d).map(|i| ((i * 29 % 19) as f32 - 9.0) / 4.0).collect();
+        let query = |seen: usize| Query { blocks: &cache, layout, layer: 0, seen };
+        let alone = |seen: usize, q: &[f32]| {
+            let mut out = vec![0f32; rep * d];
+            attend(&[query(seen)], rep, 1, d, q, &mut out, &Team::solo());
+            out
+        };
+        for seen in [1, PIECE, PIECE + 1, positions] {
+            let got = alone(seen, &q);
+            for h in 0..rep {
+                let scores: Vec<f64> = (0..seen).map(|p| (0..d).map(|c| q[h * d + c] as f64 * key(p, c) as f64).sum::<f64>() / (d as f64).sqrt()).collect();
+                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let total: f64 = weights.iter().sum();
+                for c in 0..d {
+                    let want = weights.iter().enumerate().map(|(p, w)| w * value(p, c) as f64).sum::<f64>() / total;
+                    let error = (got[h * d + c] as f64 - want).abs();
+                    assert!(error <= 1e-5 * (1.0 + want.abs()), "seen {seen}, head {h}, column {c}: {} against {want}", got[h * d + c]);
+                }
+            }
+        }
+        // A prefill's queries of one sequence, together on the team, in more than one pass
+        // (ITEMS_PER_PASS): each gets the bits it gets alone on one thread.
+        let seens: Vec<usize> = [300, 600].into_iter().chain((0..200).map(|i| positions - 200 + i)).collect();
+        assert!(seens.iter().map(|s| s.div_ceil(PIECE)).sum::<usize>() > ITEMS_PER_PASS);
+        // Each query its own: a query's heads scaled by its place.
+        let qs: Vec<f32> = (0..seens.len()).flat_map(|i| q.iter().map(move |v| v * (1.0 + i as f32 / 64.0))).collect();
+        let mut together = vec![0f32; seens.len() * rep * d];
+        let queries: Vec<Query> = seens.iter().map(|&seen| query(seen)).collect();
+        Team::run(|team| attend(&queries, rep, 1, d, &qs, &mut together, team));
+        for (i, &seen) in seens.iter().enumerate() {
+            let rows = i * rep * d..(i + 1) * rep * d;
+            assert_eq!(together[rows.clone()], alone(seen, &qs[rows])[..], "query {i}, seen {seen}");
         }
     }
 }
