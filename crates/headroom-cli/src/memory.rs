@@ -300,11 +300,14 @@ pub fn calibrate_command(bundle: &ModelBundle, dry_run: bool) -> Result<()> {
     let shape = ModelShape::from_config(&bundle.config);
     let started = Instant::now();
     let (calibration, samples) = measure_calibration(&model, bundle, &shape)?;
+    println!("{:>6} {:>9} {:>12} {:>12} {:>7}", "chunk", "attended", "measured", "fitted", "error");
     let fit_error_percent = samples
         .iter()
         .map(|s| {
             let predicted = calibration.workspace_bytes(&shape, s.chunk, s.attended) as f64;
-            ((predicted - s.workspace_bytes) / s.workspace_bytes.max(1.0) * 100.0).abs()
+            let error = (predicted - s.workspace_bytes) / s.workspace_bytes.max(1.0) * 100.0;
+            println!("{:>6} {:>9} {:>12} {:>12} {:>6.1}%", s.chunk, s.attended, human_bytes(s.workspace_bytes as u64), human_bytes(predicted as u64), error);
+            error.abs()
         })
         .fold(0.0, f64::max);
     println!(

@@ -180,3 +180,27 @@ fn resident_kv_counts_each_live_block_once() {
     model.prefix_cache.clear();
     assert_eq!(model.kv_resident_bytes(), 0);
 }
+
+/// A cache allocated whole (`preallocate_kv`: what `headroom calibrate` measures the workspace
+/// beside, since admission reserves every block) holds every block of its capacity, whether the
+/// prefix cache has none of its prompt or some.
+#[test]
+fn a_preallocated_cache_holds_its_whole_capacity_with_or_without_a_prefix() {
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = q8_file(dir.path());
+    let mut model = bundle.load_cpu(|_, _| {}).unwrap();
+    if !model.prefill_is_chunk_invariant() {
+        return; // no prefix lookup here (see above)
+    }
+    model.preallocate_kv = true;
+    let block = headroom_model::cpu::CpuCache::bytes(&bundle.config, KEY_BLOCK, model.kv_precision);
+    let (prompt, capacity) = (tokens(4, 40), 70usize);
+    let whole = capacity.div_ceil(KEY_BLOCK) * block;
+    assert_eq!(model.cache_for_prompt(&prompt, capacity).resident_bytes(), whole, "no prefix cache: every block at once");
+    model.prefix_cache = PrefixCache::new(64);
+    feed(&model, &prompt);
+    let cache = model.cache_for_prompt(&prompt, capacity);
+    assert_eq!(cache.len, 2 * KEY_BLOCK, "the prompt's two whole blocks came from the prefix cache");
+    assert_eq!(cache.resident_bytes(), whole, "two cached blocks and the rest allocated at once");
+    headroom_model::assert_control_fails("a_preallocated_cache_holds_its_whole_capacity_with_or_without_a_prefix", "prefix-drops-preallocation", "every block at once");
+}

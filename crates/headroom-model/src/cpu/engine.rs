@@ -311,8 +311,12 @@ impl CpuModel {
     pub fn cache_for_prompt(&self, prompt: &[u32], capacity: usize) -> CpuCache {
         let mut cache = self.new_cache(capacity);
         if self.prefill_is_chunk_invariant() {
-            cache.blocks = self.prefix_cache.lookup(prompt);
-            cache.len = cache.blocks.len() * KEY_BLOCK;
+            let cached = self.prefix_cache.lookup(prompt);
+            cache.len = cached.len() * KEY_BLOCK;
+            // A preallocated cache keeps its own blocks past the cached ones (test-only: all
+            // dropped, as they were).
+            let replaced = if crate::test_defect("prefix-drops-preallocation") { cache.blocks.len() } else { cached.len().min(cache.blocks.len()) };
+            cache.blocks.splice(..replaced, cached);
         }
         cache
     }
