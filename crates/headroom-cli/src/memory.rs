@@ -175,7 +175,7 @@ pub fn plan(bundle: &ModelBundle, mut config: MemoryConfig, args: PlanArgs) -> R
     }
     if held_blocks < all_blocks && !shape.encoder {
         println!(
-            "           overcommit {}×: {held_blocks} of the {all_blocks} blocks reserved, the rest taken as written; when none is left the newest request is preempted and resumes on the CPU, or waits for the GPU if it does not allow the CPU (headroom serve overcommits on the sim GPU only for now)",
+            "           overcommit {}×: {held_blocks} of the {all_blocks} blocks reserved, the rest taken as written; when none is left the request that started last is preempted and resumes on the CPU, or waits for the GPU if it does not allow the CPU (headroom serve overcommits on the sim GPU only for now)",
             config.kv_overcommit
         );
     }

@@ -1355,7 +1355,7 @@ async fn run(args: &PressureArgs, model_dir: &Path, bundle: &ModelBundle, out: &
 
     // KV overcommit: requests reserve a quarter of their KV blocks on a sim GPU that holds the
     // full load's reservations and about a block more; the pool runs dry as they write, the
-    // newest are preempted to the CPU queue, and once one was, the GPU worker is killed at full
+    // last started are preempted to the CPU queue, and once one was, the GPU worker is killed at full
     // load too.
     let mut overcommit_run: Option<(u64, u64, f64)> = None;
     let overcommit = if let (true, Some(s)) = (sim, &sizing) { overcommit_sizing(bundle, s, short_tokens, GPU_SLOTS) } else { None };

@@ -1,6 +1,7 @@
 //! The request path across real worker processes: journal, admission, bounded queues,
 //! idempotency, cancellation and recovery after a crash.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -930,7 +931,72 @@ async fn a_gpu_only_request_preempted_by_a_dry_pool_resumes_on_the_gpu() {
         assert!(!steps.iter().any(|t| matches!(t, Transition::Queued { device } if *device == Lane::Cpu)), "{id} never queued for the CPU: {steps:?}");
     }
     assert!(!d.metrics_text().contains("to=\"cpu\""), "a preemption back to the GPU queue is not a failover");
+    // The worker preempts the request that started last: one resumed after a preemption (the
+    // last to join the batch) does not go again while later ones run.
+    let unfair = preempted_before_later_ones(d.journal());
+    assert!(unfair.is_empty(), "preempted while a request that started later ran: {unfair:?}");
     d.supervisor().shutdown().await;
+}
+
+/// Negative control: a worker that preempts the request that joined its batch last (a resumed
+/// one) preempts requests while later ones run, so the check above can fail. Whether a resumed
+/// request meets a later one in the batch depends on the queue's timing (one of the first runs
+/// here did not), so up to three runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negative_control_preempting_the_last_to_join_preempts_before_later_ones() {
+    let mut runs = 0;
+    loop {
+        let (d, e) = overcommitted_gpu_run_dry(vec![("HEADROOM_TEST_DEFECT".into(), "preempt-joined-last".into())], false, None).await;
+        assert!(e.lost.is_empty(), "lost after acceptance: {:?}", e.lost);
+        let unfair = preempted_before_later_ones(d.journal());
+        d.supervisor().shutdown().await;
+        runs += 1;
+        if !unfair.is_empty() {
+            break;
+        }
+        assert!(runs < 3, "in {runs} runs the defect never preempted a request while a later one ran");
+    }
+}
+
+/// Preemptions of a request while one that started later ran on the GPU beside it: the
+/// journal's spans on the GPU (times are the router's, a step and a few ms from the worker's,
+/// hence the margins), as "oc-2 at 1234 ms while oc-5 ran".
+fn preempted_before_later_ones(journal: &Journal) -> Vec<String> {
+    const MARGIN_MS: u64 = 60;
+    let ids: Vec<String> = (0..8).map(|i| format!("oc-{i}")).collect();
+    let (mut first, mut spans, mut preemptions) = (HashMap::new(), HashMap::<&str, Vec<(u64, u64)>>::new(), Vec::new());
+    for id in &ids {
+        let mut open = None;
+        for t in journal.transitions(id).unwrap() {
+            let at = t.at_unix_ms;
+            match &t.transition {
+                Transition::Running { device, .. } if device.is_gpu() => {
+                    first.entry(id.as_str()).or_insert(at);
+                    open = Some(at);
+                }
+                Transition::AttemptFailed { .. } | Transition::Completed { .. } | Transition::Failed { .. } | Transition::Cancelled { .. } => {
+                    if let Some(start) = open.take() {
+                        spans.entry(id.as_str()).or_default().push((start, at));
+                    }
+                    if matches!(t.transition, Transition::AttemptFailed { kind: headroom_worker::FailureKind::Preempted, .. }) {
+                        preemptions.push((id.as_str(), at));
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    let mut found = Vec::new();
+    for (x, at) in preemptions {
+        for y in &ids {
+            let later = first.get(y.as_str()).is_some_and(|&f| f >= first[x] + 20);
+            let ran = spans.get(y.as_str()).into_iter().flatten().any(|&(start, end)| start + MARGIN_MS <= at && end >= at + MARGIN_MS);
+            if later && ran {
+                found.push(format!("{x} at {at} ms while {y} ran"));
+            }
+        }
+    }
+    found
 }
 
 /// Negative control: a GPU-only request preempted by the dry pool ends there, as before, and is

@@ -46,7 +46,7 @@ pub struct MemoryConfig {
     /// prompt + max_tokens could fill (never fewer than its prompt's and one more), and takes
     /// the rest block by block as it writes them. 1 (the default) reserves every block up front,
     /// so an admitted request never runs out. Above 1, when the device has no block left for a
-    /// running request, the newest request is preempted: it moves to the CPU queue and resumes
+    /// running request, the request that started last is preempted: it moves to the CPU queue and resumes
     /// there from its checkpoint (journaled, nothing lost). Only the sim GPU counts blocks today.
     pub kv_overcommit: f64,
     /// How long the GPU keeps the model loaded after its last request (Ollama's `keep_alive`:

@@ -49,9 +49,13 @@ impl<'m, M: Decoder, K> Batch<'m, M, K> {
         self.entries.iter().map(|e| (&e.key, &e.session))
     }
 
-    /// Takes the newest session out of the batch (a preemption), between steps.
-    pub fn remove_newest(&mut self) -> Option<(K, Session<'m, M>)> {
-        self.entries.pop().map(|e| (e.key, e.session))
+    /// Takes the session of `key` out of the batch (a preemption), between steps.
+    pub fn remove(&mut self, key: &K) -> Option<Session<'m, M>>
+    where
+        K: PartialEq,
+    {
+        let at = self.entries.iter().position(|e| &e.key == key)?;
+        Some(self.entries.remove(at).session)
     }
 
     pub fn len(&self) -> usize {

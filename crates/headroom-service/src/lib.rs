@@ -56,7 +56,7 @@ pub struct WorkerArgs {
     #[arg(long)]
     pub gpu_layers: Option<u32>,
     /// On the sim GPU: admit requests holding 1/N of their KV blocks, taking the rest as they
-    /// are written and preempting the newest request when none is left (1: no overcommit).
+    /// are written and preempting the request that started last when none is left (1: no overcommit).
     #[arg(long, default_value_t = 1.0)]
     pub kv_overcommit: f64,
     /// VRAM the KV blocks taken past a reservation leave free, in MiB.

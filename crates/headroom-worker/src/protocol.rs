@@ -43,6 +43,12 @@ pub struct GenerateJob {
     /// Prompt tokens, sampling, stop strings, max tokens reserved up front, and an optional
     /// checkpoint to resume from.
     pub request: GenerateRequest,
+    /// When the request first started, among all requests (the router's count of first
+    /// attempts; a resume keeps its request's): a worker that must preempt one takes the one
+    /// that started last, so a request resumed after a preemption is not the first to go again
+    /// while later ones run.
+    #[serde(default)]
+    pub started_order: u64,
 }
 
 /// Faults the `sim` device can inject.

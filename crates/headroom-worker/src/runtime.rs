@@ -636,10 +636,10 @@ impl State {
     }
 
     /// Under KV overcommit a request reserved only part of its blocks: before a step, each
-    /// running request (oldest first) takes from the device the blocks this step may write past
-    /// its reservation, keeping the VRAM reserve free. Where the device has none left, the
-    /// newest request is preempted: it leaves the batch with its checkpoint, its blocks go back,
-    /// and the router resumes it elsewhere. Without overcommit every block was reserved at
+    /// running request (in the order they joined) takes from the device the blocks this step may
+    /// write past its reservation, keeping the VRAM reserve free. Where the device has none left,
+    /// the request that started last ([`GenerateJob::started_order`]) is preempted: it leaves the
+    /// batch with its checkpoint, its blocks go back, and the router resumes it elsewhere. Without overcommit every block was reserved at
     /// admission and nothing is taken here.
     fn take_next_blocks<'m, M: Decoder>(&self, loaded: &Loaded, batch: &mut Batch<'m, M, String>, running: &mut HashMap<String, Running>) {
         let block_bytes = loaded.planner.kv_block_bytes();
@@ -659,15 +659,24 @@ impl State {
                     i += 1;
                 }
                 Err(e) => {
-                    let (newest, session) = batch.remove_newest().expect("the batch holds the request that needs a block");
-                    let run = running.remove(&newest).expect("every batched request is running");
+                    // The request that started last; test-only: the one that joined the batch
+                    // last, which is a resumed one.
+                    let joined_last = headroom_model::test_defect("preempt-joined-last");
+                    let (at, last) = batch.sessions().map(|(id, _)| id).enumerate().max_by_key(|(_, id)| if joined_last { 0 } else { running[*id].started_order }).map(|(at, id)| (at, id.clone())).expect("the batch holds the request that needs a block");
+                    let session = batch.remove(&last).expect("it is in the batch");
+                    // The request that needs the block moved up one place if the preempted one
+                    // was before it; it tries again either way.
+                    if at < i {
+                        i -= 1;
+                    }
+                    let run = running.remove(&last).expect("every batched request is running");
                     self.preemptions.fetch_add(1, Ordering::SeqCst);
-                    tracing::warn!(request_id = %newest, for_request = %id, error = %e, "no KV block left on the device: the newest request is preempted");
-                    let last = run.preempted_frame(&newest, &session, &e.to_string());
+                    tracing::warn!(request_id = %last, for_request = %id, error = %e, "no KV block left on the device: the request that started last is preempted");
+                    let frame = run.preempted_frame(&last, &session, &e.to_string());
                     // Its blocks are free before the router hears of it.
                     drop(session);
                     drop(run);
-                    self.finish(&newest, last);
+                    self.finish(&last, frame);
                 }
             }
         }
@@ -756,6 +765,7 @@ impl State {
             }
         };
         let run = Running {
+            started_order: job.started_order,
             reservation,
             kv_blocks,
             // An embedding makes no tokens: the fault waits for a generation.
@@ -846,6 +856,8 @@ impl State {
 
 /// A request in the batch: what the worker tracks beside its session.
 struct Running {
+    /// The job's [`GenerateJob::started_order`].
+    started_order: u64,
     /// Its KV cache and workspace on the sim device, held until it leaves the batch.
     reservation: Option<Reservation>,
     /// KV blocks its reservation covers (fewer than it may write under overcommit).

@@ -46,7 +46,7 @@ fn a_cancel_and_an_out_of_memory_mid_batch_leave_the_others_untouched() {
     assert!(matches!(worker.next(), FromWorker::FaultSet { .. }));
     let mut ids = worker.submit(&requests);
     ids.push("r4".into());
-    worker.send(ToWorker::Generate(GenerateJob { request_id: "r4".into(), request: requests[0].clone() }));
+    worker.send(ToWorker::Generate(GenerateJob { request_id: "r4".into(), request: requests[0].clone(), started_order: 4 }));
     // r3 is cancelled after its third token.
     let streams = worker.streams_with(&ids, |id, tokens| (id == "r3" && tokens == 3).then(|| ToWorker::Cancel { request_id: "r3".into() }));
     // r0 was admitted first: the out-of-memory is its, with a checkpoint that resumes to the

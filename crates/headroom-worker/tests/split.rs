@@ -44,7 +44,7 @@ fn a_split_sim_worker_at_full_load_streams_the_all_cpu_tokens() {
     assert!(matches!(worker.next(), FromWorker::FaultSet { .. }));
     let mut ids = worker.submit(&requests);
     ids.push("r4".into());
-    worker.send(ToWorker::Generate(GenerateJob { request_id: "r4".into(), request: requests[0].clone() }));
+    worker.send(ToWorker::Generate(GenerateJob { request_id: "r4".into(), request: requests[0].clone(), started_order: 4 }));
     let streams = worker.streams(&ids);
     assert!(
         matches!(streams["r4"].end, Some(FromWorker::Failed { kind: FailureKind::Busy, replayable: true, .. })),

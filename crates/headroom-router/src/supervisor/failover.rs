@@ -154,7 +154,8 @@ impl Supervisor {
         let device = worker.device;
         let request = progress.resume_request(run);
         tracing::info!(request_id = %run.request_id, %device, resumed_after = progress.delivered.len(), "dispatch");
-        let mut rx = match worker.generate(GenerateJob { request_id: run.request_id.clone(), request }).await {
+        let started_order = *progress.started_order.get_or_insert_with(|| FIRST_ATTEMPTS.fetch_add(1, std::sync::atomic::Ordering::SeqCst));
+        let mut rx = match worker.generate(GenerateJob { request_id: run.request_id.clone(), request, started_order }).await {
             Ok(rx) => rx,
             // A GPU worker that died before the router noticed: a device failure like any other.
             Err(e) if device.is_gpu() => {
@@ -336,8 +337,14 @@ async fn stop_cancelled(run: &RunRequest, worker: &Worker, rx: &mut tokio::sync:
 
 /// What a request has from its earlier attempts: the tokens the client already has (a next
 /// attempt resumes after them) and the failovers so far.
+/// First attempts made in this process, every model's: a request's place among them is its
+/// [`GenerateJob::started_order`].
+static FIRST_ATTEMPTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 #[derive(Debug, Default)]
 pub struct Progress {
+    /// The request's place among first attempts ([`GenerateJob::started_order`]).
+    started_order: Option<u64>,
     delivered: Vec<u32>,
     delivered_text: String,
     /// The sampler's RNG position after the last delivered token, as its worker sent it.

@@ -55,8 +55,8 @@ impl Worker {
     /// Sends every request at once, as `r0`, `r1`, …; returns their ids.
     pub fn submit(&mut self, requests: &[GenerateRequest]) -> Vec<String> {
         let ids: Vec<String> = (0..requests.len()).map(|i| format!("r{i}")).collect();
-        for (id, request) in ids.iter().zip(requests) {
-            self.send(ToWorker::Generate(GenerateJob { request_id: id.clone(), request: request.clone() }));
+        for (order, (id, request)) in ids.iter().zip(requests).enumerate() {
+            self.send(ToWorker::Generate(GenerateJob { request_id: id.clone(), request: request.clone(), started_order: order as u64 }));
         }
         ids
     }
