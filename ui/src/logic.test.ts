@@ -339,9 +339,12 @@ describe("workers side by side", () => {
   it("says what the CPU KV cache holds against what was reserved, and the prompt cache's reuse", () => {
     expect(cpuKvLine({ memory: {} })).toBeNull();
     expect(gpuKvLine({ memory: {} })).toBeNull();
-    const gpu_kv = { block_tokens: 16, block_bytes: 131072, resident_blocks: 24, resident_bytes: 3 * 1048576, reserved_bytes: 10 * 1048576, overcommit: 1, preemptions: 0 };
-    expect(gpuKvLine({ memory: { gpu_kv } })).toBe("GPU KV cache: 24 blocks of 16 tokens (3.0 MiB) written, 10 MiB reserved for running requests");
-    expect(gpuKvLine({ memory: { gpu_kv: { ...gpu_kv, overcommit: 4, preemptions: 2 } } })).toBe("GPU KV cache: 24 blocks of 16 tokens (3.0 MiB) written, 10 MiB reserved for running requests; overcommit 4×, 2 preempted");
+    const gpu_kv = { block_tokens: 16, block_bytes: 131072, resident_blocks: 24, resident_bytes: 3 * 1048576, reserved_bytes: 10 * 1048576, pool_blocks: 160, overcommit: 1, preemptions: 0 };
+    expect(gpuKvLine({ memory: { gpu_kv } })).toBe("GPU KV cache: 24 of 160 blocks of 16 tokens (3.0 MiB) written, 10 MiB reserved for running requests");
+    expect(gpuKvLine({ memory: { gpu_kv: { ...gpu_kv, overcommit: 4, preemptions: 2 } } })).toBe("GPU KV cache: 24 of 160 blocks of 16 tokens (3.0 MiB) written, 10 MiB reserved for running requests; overcommit 4×, 2 preempted");
+    // A server without the pool's size (older) still gets the line.
+    const { pool_blocks: _, ...older } = gpu_kv;
+    expect(gpuKvLine({ memory: { gpu_kv: older } })).toBe("GPU KV cache: 24 blocks of 16 tokens (3.0 MiB) written, 10 MiB reserved for running requests");
     const memory = { cpu_kv_resident_bytes: 3.5 * 1048576, host_reserved_bytes: 12 * 1048576, cpu_prefix_cache: { capacity_blocks: 364, bytes: 2 * 1048576, hit_rate: 0.784 } };
     expect(cpuKvLine({ memory })).toBe("CPU KV cache: 3.5 MiB in use, 12 MiB reserved for running requests; prompt cache 2.0 MiB, 78% of prompt tokens reused");
     expect(cpuKvLine({ memory: { ...memory, cpu_prefix_cache: { capacity_blocks: 0, bytes: 0, hit_rate: 0 } } })).toBe("CPU KV cache: 3.5 MiB in use, 12 MiB reserved for running requests");

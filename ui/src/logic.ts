@@ -532,13 +532,15 @@ export function cpuKvLine(status: Json): string | null {
 }
 
 /** The GPU's KV cache in blocks (where its worker counts them: the sim GPU): the blocks the
- *  running requests wrote against what they reserved, and under overcommit the ratio and how
- *  many requests were preempted for a block. Null without a reading. */
+ *  running requests wrote, of the pool the GPU has room for beside its weights and reserve,
+ *  against what they reserved, and under overcommit the ratio and how many requests were
+ *  preempted for a block. Null without a reading. */
 export function gpuKvLine(status: Json): string | null {
   const kv = status.memory?.gpu_kv;
   if (!kv || typeof kv.resident_bytes !== "number") return null;
   const mib = (b: number) => formatMiB(b / 1048576);
-  let line = `GPU KV cache: ${kv.resident_blocks} blocks of ${kv.block_tokens} tokens (${mib(kv.resident_bytes)}) written, ${mib(kv.reserved_bytes)} reserved for running requests`;
+  const of = typeof kv.pool_blocks === "number" ? ` of ${kv.pool_blocks}` : "";
+  let line = `GPU KV cache: ${kv.resident_blocks}${of} blocks of ${kv.block_tokens} tokens (${mib(kv.resident_bytes)}) written, ${mib(kv.reserved_bytes)} reserved for running requests`;
   if (kv.overcommit > 1) line += `; overcommit ${kv.overcommit}×, ${kv.preemptions} preempted`;
   return line;
 }

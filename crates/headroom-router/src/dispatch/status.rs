@@ -95,6 +95,9 @@ pub struct GpuKv {
     pub resident_bytes: u64,
     /// What the running requests hold on the device (KV blocks reserved and taken, workspace).
     pub reserved_bytes: u64,
+    /// Blocks the device has room for beside the weights and the VRAM reserve: the pool the
+    /// requests' blocks (and workspace) come from.
+    pub pool_blocks: u64,
     /// `kv_overcommit`: requests reserve 1/this of their blocks (1: all of them).
     pub overcommit: f64,
     /// Requests preempted for a block since the worker started.
@@ -177,6 +180,7 @@ impl Dispatcher {
         }
         let c = device.cpu.as_ref();
         workers.push(snapshot(Lane::Cpu, Device::Cpu, c, if c.is_some() { WorkerState::Ready } else { WorkerState::Down }));
+        let pool_bytes = self.own_gpu_budget().map_or(0, |b| b.capacity_bytes());
         let gpu_kv = gpu_memory.as_ref().and_then(|r| {
             let planner = self.planner();
             let block_bytes = planner.kv_block_bytes().max(1);
@@ -186,6 +190,7 @@ impl Dispatcher {
                 resident_blocks: resident / block_bytes,
                 resident_bytes: resident,
                 reserved_bytes: r.reserved_bytes,
+                pool_blocks: pool_bytes / block_bytes,
                 overcommit: planner.config.kv_overcommit,
                 preemptions: r.preemptions,
             })
