@@ -74,7 +74,7 @@ try {
     await page.getByTestId("tab-settings").click();
     await page.getByTestId("endpoint-openai").filter({ hasText: `${server.url}/v1` }).waitFor({ timeout: 10_000 });
     assert.match(await page.getByTestId("setting-worker-cpu").innerText(), /^CPU: kjv-demo · up to [\d,k]+ tokens · 4 at a time/);
-    assert.match(await page.getByTestId("gpu-kv").innerText(), /^GPU KV cache: \d+ blocks of 16 tokens \([\d.,]+ MiB\) written, [\d.,]+ MiB reserved for running requests$/);
+    assert.match(await page.getByTestId("gpu-kv").innerText(), /^GPU KV cache: \d+ of \d+ blocks of 16 tokens \([\d.,]+ MiB\) written, [\d.,]+ MiB reserved for running requests$/);
     assert.match(await page.getByTestId("cpu-kv").innerText(), /^CPU KV cache: [\d.,]+ MiB in use, [\d.,]+ MiB reserved for running requests(; prompt cache [\d.,]+ MiB, \d+% of prompt tokens reused)?$/);
     assert.equal(await page.getByTestId("endpoint-ollama").innerText(), server.url);
     await page.getByTestId("setting-vram-reserve").fill("1500");
