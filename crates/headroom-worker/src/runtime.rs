@@ -639,8 +639,8 @@ impl State {
     /// running request (in the order they joined) takes from the device the blocks this step may
     /// write past its reservation, keeping the VRAM reserve free. Where the device has none left,
     /// the request that started last ([`GenerateJob::started_order`]) is preempted: it leaves the
-    /// batch with its checkpoint, its blocks go back, and the router resumes it elsewhere. Without overcommit every block was reserved at
-    /// admission and nothing is taken here.
+    /// batch with its checkpoint, its blocks go back, and the router resumes it elsewhere.
+    /// Without overcommit every block was reserved at admission and nothing is taken here.
     fn take_next_blocks<'m, M: Decoder>(&self, loaded: &Loaded, batch: &mut Batch<'m, M, String>, running: &mut HashMap<String, Running>) {
         let block_bytes = loaded.planner.kv_block_bytes();
         let keep_free = self.vram_reserve.load(Ordering::SeqCst);

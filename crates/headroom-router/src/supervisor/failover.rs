@@ -335,12 +335,12 @@ async fn stop_cancelled(run: &RunRequest, worker: &Worker, rx: &mut tokio::sync:
     .await;
 }
 
-/// What a request has from its earlier attempts: the tokens the client already has (a next
-/// attempt resumes after them) and the failovers so far.
 /// First attempts made in this process, every model's: a request's place among them is its
 /// [`GenerateJob::started_order`].
 static FIRST_ATTEMPTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
+/// What a request has from its earlier attempts: the tokens the client already has (a next
+/// attempt resumes after them) and the failovers so far.
 #[derive(Debug, Default)]
 pub struct Progress {
     /// The request's place among first attempts ([`GenerateJob::started_order`]).
